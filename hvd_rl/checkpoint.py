@@ -1,0 +1,180 @@
+"""Checkpoints: atomic writes, a verified manifest, retention, a `latest` pointer, safe loading.
+
+Layout under <run_dir>/checkpoints/:
+    ckpt_00000120.pt     torch.save of plain containers and tensors (loaded with weights_only=True)
+    ckpt_00000120.json   manifest: sha256 and size of the .pt, iteration, global step
+    latest.pt            symlink to the newest complete checkpoint
+
+Write order: .pt to a temporary file + fsync, manifest (atomic), rename the .pt into place,
+fsync the directory, move `latest.pt`, prune. A crash at any point leaves either the previous
+checkpoint set or a complete new one; a stray manifest without its .pt is ignored.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT_VERSION = 1
+REQUIRED_KEYS = ("format_version", "iteration", "global_step", "seed_offset", "world_size",
+                 "envs_per_rank", "config", "signature", "model", "optimizer", "rng")
+_NAME = re.compile(r"^ckpt_(\d{8,})\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, damaged or does not fit this run."""
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int) -> Path:
+    """Writes state atomically as ckpt_<iteration>.pt and returns its path (rank 0 only)."""
+    directory = checkpoint_dir(run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"ckpt_{state['iteration']:08d}.pt"
+    tmp = directory / f".{final.name}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        manifest = {
+            "file": final.name, "sha256": _sha256(tmp), "bytes": tmp.stat().st_size,
+            "iteration": state["iteration"], "global_step": state["global_step"],
+            "format_version": FORMAT_VERSION, "written_at": time.time(),
+        }
+        _atomic_write_text(final.with_suffix(".json"), json.dumps(manifest, indent=1))
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(directory)
+    link_tmp = directory / f".latest.tmp.{os.getpid()}"
+    if link_tmp.is_symlink() or link_tmp.exists():
+        link_tmp.unlink()
+    os.symlink(final.name, link_tmp)
+    os.replace(link_tmp, directory / "latest.pt")
+    _fsync_dir(directory)
+    prune(directory, keep)
+    return final
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Checkpoint files, newest (highest iteration) first."""
+    directory = checkpoint_dir(run_dir)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def prune(directory: Path, keep: int) -> None:
+    for old in list_checkpoints(directory.parent)[keep:]:
+        old.unlink(missing_ok=True)
+        old.with_suffix(".json").unlink(missing_ok=True)
+    for manifest in directory.glob("ckpt_*.json"):  # manifests whose .pt never landed
+        if not manifest.with_suffix(".pt").exists():
+            manifest.unlink(missing_ok=True)
+
+
+def load_checkpoint(path: str | Path, require_manifest: bool = False) -> dict[str, Any]:
+    """Loads and checks a checkpoint; never executes code from the file (weights_only=True)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    resolved = path.resolve()
+    manifest_path = resolved.with_suffix(".json")
+    if manifest_path.exists():
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint manifest {manifest_path} is unreadable: {exc}") from None
+        size = resolved.stat().st_size
+        if size != manifest.get("bytes"):
+            raise CheckpointError(
+                f"checkpoint {path} is truncated or damaged: {size} bytes, manifest says "
+                f"{manifest.get('bytes')}")
+        if _sha256(resolved) != manifest.get("sha256"):
+            raise CheckpointError(f"checkpoint {path} is damaged: sha256 does not match its manifest")
+    elif require_manifest:
+        raise CheckpointError(f"checkpoint {path} has no manifest (incomplete write?)")
+    try:
+        state = torch.load(resolved, map_location="cpu", weights_only=True)
+    except Exception as exc:  # any unpickling/zip error means the file is unusable
+        raise CheckpointError(f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} is not an hvd_rl checkpoint")
+    missing = [k for k in REQUIRED_KEYS if k not in state]
+    if missing:
+        raise CheckpointError(f"{path} is not an hvd_rl checkpoint (missing {', '.join(missing)})")
+    if state["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format {state['format_version']}, this hvd_rl reads {FORMAT_VERSION}")
+    return state
+
+
+def find_resumable(run_dir: str | Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
+    """Newest valid checkpoint of a run, skipping damaged ones; returns (path, state, warnings)."""
+    warnings: list[str] = []
+    for path in list_checkpoints(run_dir):
+        try:
+            return path, load_checkpoint(path, require_manifest=True), warnings
+        except CheckpointError as exc:
+            warnings.append(f"skipping {path.name}: {exc}")
+    return None, None, warnings
+
+
+def check_compatible(state: dict[str, Any], signature: dict[str, Any], env_id: str) -> None:
+    """Refuses a checkpoint whose environment or network differs from this run's."""
+    theirs = state["signature"]
+    their_env = state["config"].get("env", {}).get("id")
+    if their_env != env_id:
+        raise CheckpointError(f"checkpoint was trained on {their_env!r}, this run uses {env_id!r}")
+    for key in ("observation_shape", "observation_dtype", "num_actions"):
+        if theirs.get(key) != signature[key]:
+            raise CheckpointError(
+                f"checkpoint {key} is {theirs.get(key)}, this run's is {signature[key]}")
+    if theirs.get("parameters") != signature["parameters"]:
+        mine, other = signature["parameters"], theirs.get("parameters") or {}
+        diff = sorted(k for k in set(mine) | set(other) if mine.get(k) != other.get(k))
+        raise CheckpointError(
+            "checkpoint model does not match this run's model (differs in: "
+            + ", ".join(diff[:5]) + (" ..." if len(diff) > 5 else "") + ")")
+
+
+def warn(message: str) -> None:
+    print(f"[hvd_rl] warning: {message}", file=sys.stderr, flush=True)

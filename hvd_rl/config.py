@@ -1,0 +1,347 @@
+"""Run configuration: dataclasses loaded from TOML, `--set section.key=value` overrides, validation.
+
+Every rank loads and validates the same files, so a bad value fails identically everywhere before
+Horovod, an environment or a network exists: one message, non-zero exit on every rank, no hang.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix; the message lists every problem found."""
+
+
+@dataclass
+class EnvConfig:
+    id: str = "CartPole-v1"
+    # sync | async (Gymnasium vector envs) | ale_vector (ale-py's C++ AtariVectorEnv, Atari only)
+    backend: str = "sync"
+    num_envs: int = 4  # per rank
+    # Atari preprocessing (used only for ALE environments): CleanRL's ppo_atari recipe.
+    frame_skip: int = 4
+    frame_stack: int = 4
+    noop_max: int = 30
+    screen_size: int = 84
+    episodic_life: bool = True
+    fire_reset: bool = True
+    clip_rewards: bool = True
+    repeat_action_probability: float = 0.0  # sticky actions at the ALE level (0 = NoFrameskip-v4)
+    max_episode_steps: int = 0  # 0 = the environment's own limit
+    env_threads: int = 0  # ale_vector worker threads; 0 = this rank's CPU threads
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "auto"  # auto (nature_cnn for image observations, mlp otherwise) | nature_cnn | mlp
+    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
+
+
+@dataclass
+class PPOConfig:
+    total_timesteps: int = 500_000  # global environment steps, all ranks together
+    num_steps: int = 128  # rollout length per environment
+    learning_rate: float = 2.5e-4
+    adam_eps: float = 1e-5
+    anneal_lr: bool = True
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    num_minibatches: int = 4
+    update_epochs: int = 4
+    norm_adv: bool = True
+    # Normalise advantages with allreduced (global) minibatch statistics, so N ranks compute the
+    # same update as one process on the whole batch. False uses each rank's local statistics.
+    global_advantage_norm: bool = True
+    clip_coef: float = 0.2
+    clip_vloss: bool = True
+    ent_coef: float = 0.01
+    vf_coef: float = 0.5
+    max_grad_norm: float = 0.5  # 0 disables clipping
+    target_kl: float = 0.0  # 0 disables KL early stopping
+    backward_passes_per_step: int = 1  # micro-batches per minibatch, one allreduce per minibatch
+
+
+@dataclass
+class DistributedConfig:
+    reduction: str = "average"  # average | adasum
+    compression: str = "none"  # none | fp16
+    threads_per_rank: int = 0  # 0 = CPUs available to this rank / ranks sharing them
+    device: str = "auto"  # auto | cpu | cuda  (cuda: one device per local rank)
+    amp: str = "off"  # off | bf16 | fp16 (autocast on CUDA)
+    verify_every: int = 0  # check parameters agree across ranks every K iterations (0: at the end)
+    elastic_min_np: int = 1  # informational for `hvd-rl train --elastic`; horovodrun enforces it
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 50  # iterations between checkpoints (0: only the final one)
+    keep: int = 3  # newest checkpoints kept on disk
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    console: bool = True
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection for the test suite; leave at defaults in real runs."""
+
+    nan_at_iteration: int = 0  # make the loss NaN on `nan_rank` at this iteration (0: never)
+    nan_rank: int = 0
+    iteration_sleep: float = 0.0  # seconds of extra sleep per iteration (slows tiny jobs for tests)
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 1
+    run_dir: str = "runs/default"
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    # Derived sizes (per rank unless stated).
+    @property
+    def local_batch_size(self) -> int:
+        return self.env.num_envs * self.ppo.num_steps
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.local_batch_size // self.ppo.num_minibatches
+
+    def global_batch_size(self, world_size: int) -> int:
+        return world_size * self.local_batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        return dump_toml(self.to_dict())
+
+
+def _section_classes() -> dict[str, type]:
+    hints = typing.get_type_hints(TrainConfig)
+    return {name: tp for name, tp in hints.items() if dataclasses.is_dataclass(tp)}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Converts a TOML/CLI value to the field's declared type, or raises ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        (item_tp,) = typing.get_args(tp)[:1]
+        if isinstance(value, str):
+            value = [v for v in value.replace(",", " ").split() if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(f"{where}: unsupported union type")  # pragma: no cover - not used
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    raise ConfigError(f"{where}: unsupported type {tp}")  # pragma: no cover
+
+
+def _apply(cfg: TrainConfig, data: dict[str, Any], source: str) -> None:
+    sections = _section_classes()
+    top_types = {k: v for k, v in _field_types(TrainConfig).items() if k not in sections}
+    for key, value in data.items():
+        if key in sections:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: [{key}] must be a table")
+            section = getattr(cfg, key)
+            types_ = _field_types(sections[key])
+            for sub, sub_value in value.items():
+                if sub not in types_:
+                    raise ConfigError(
+                        f"{source}: unknown key '{key}.{sub}' (valid: {', '.join(sorted(types_))})"
+                    )
+                setattr(section, sub, _coerce(sub_value, types_[sub], f"{source}: {key}.{sub}"))
+        elif key in top_types:
+            setattr(cfg, key, _coerce(value, top_types[key], f"{source}: {key}"))
+        else:
+            valid = sorted(list(sections) + list(top_types))
+            raise ConfigError(f"{source}: unknown key '{key}' (valid: {', '.join(valid)})")
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """Turns 'section.key=value' into a nested dict; the value is parsed as TOML when it can be."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    path, raw = text.split("=", 1)
+    path = path.strip()
+    if not path or any(not part for part in path.split(".")):
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    parts = path.split(".")
+    nested: dict[str, Any] = {parts[-1]: value}
+    for part in reversed(parts[:-1]):
+        nested = {part: nested}
+    return nested
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file, then each `--set` in order. Does not validate."""
+    cfg = TrainConfig()
+    if path is not None:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+        _apply(cfg, data, str(path))
+    for text in overrides or []:
+        _apply(cfg, parse_override(text), f"--set {text}")
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    cfg = TrainConfig()
+    _apply(cfg, data, "checkpoint config")
+    return cfg
+
+
+BACKENDS = ("sync", "async", "ale_vector")
+MODEL_KINDS = ("auto", "nature_cnn", "mlp")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Raises ConfigError listing every problem; checks the env id against the registry."""
+    problems: list[str] = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            problems.append(message)
+
+    e, p, d = cfg.env, cfg.ppo, cfg.distributed
+    need(e.backend in BACKENDS, f"env.backend must be one of {BACKENDS}, got {e.backend!r}")
+    for name in ("num_envs", "frame_skip", "frame_stack", "screen_size"):
+        need(getattr(e, name) > 0, f"env.{name} must be positive, got {getattr(e, name)}")
+    for name in ("noop_max", "max_episode_steps", "env_threads"):
+        need(getattr(e, name) >= 0, f"env.{name} must be >= 0, got {getattr(e, name)}")
+    need(0.0 <= e.repeat_action_probability < 1.0,
+         f"env.repeat_action_probability must be in [0, 1), got {e.repeat_action_probability}")
+    need(cfg.model.kind in MODEL_KINDS, f"model.kind must be one of {MODEL_KINDS}, got {cfg.model.kind!r}")
+    need(len(cfg.model.hidden_sizes) > 0 and all(h > 0 for h in cfg.model.hidden_sizes),
+         f"model.hidden_sizes must be a non-empty list of positive sizes, got {cfg.model.hidden_sizes}")
+
+    for name in ("total_timesteps", "num_steps", "num_minibatches", "update_epochs",
+                 "backward_passes_per_step"):
+        need(getattr(p, name) > 0, f"ppo.{name} must be positive, got {getattr(p, name)}")
+    for name in ("learning_rate", "adam_eps", "clip_coef"):
+        need(getattr(p, name) > 0, f"ppo.{name} must be positive, got {getattr(p, name)}")
+    for name in ("ent_coef", "vf_coef", "max_grad_norm", "target_kl"):
+        need(getattr(p, name) >= 0, f"ppo.{name} must be >= 0, got {getattr(p, name)}")
+    need(0.0 <= p.gamma <= 1.0, f"ppo.gamma must be in [0, 1], got {p.gamma}")
+    need(0.0 <= p.gae_lambda <= 1.0, f"ppo.gae_lambda must be in [0, 1], got {p.gae_lambda}")
+    if p.num_steps > 0 and p.num_minibatches > 0:
+        # Minibatches are drawn per environment (see ppo.minibatch_indices), which is what makes
+        # N ranks compute exactly the same update as one process.
+        need(p.num_steps % p.num_minibatches == 0,
+             f"ppo.num_steps ({p.num_steps}) must be divisible by ppo.num_minibatches "
+             f"({p.num_minibatches})")
+        if p.num_steps % p.num_minibatches == 0 and e.num_envs > 0 and p.backward_passes_per_step > 0:
+            need(cfg.minibatch_size % p.backward_passes_per_step == 0,
+                 f"minibatch size {cfg.minibatch_size} (env.num_envs x ppo.num_steps / "
+                 f"ppo.num_minibatches) must be divisible by ppo.backward_passes_per_step "
+                 f"({p.backward_passes_per_step})")
+
+    need(d.reduction in ("average", "adasum"),
+         f"distributed.reduction must be 'average' or 'adasum', got {d.reduction!r}")
+    need(d.compression in ("none", "fp16"),
+         f"distributed.compression must be 'none' or 'fp16', got {d.compression!r}")
+    need(d.device in ("auto", "cpu", "cuda"),
+         f"distributed.device must be 'auto', 'cpu' or 'cuda', got {d.device!r}")
+    need(d.amp in ("off", "bf16", "fp16"), f"distributed.amp must be 'off', 'bf16' or 'fp16', got {d.amp!r}")
+    need(d.threads_per_rank >= 0, f"distributed.threads_per_rank must be >= 0, got {d.threads_per_rank}")
+    need(d.verify_every >= 0, f"distributed.verify_every must be >= 0, got {d.verify_every}")
+    need(d.elastic_min_np >= 1, f"distributed.elastic_min_np must be >= 1, got {d.elastic_min_np}")
+    need(cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
+    need(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
+    need(cfg.debug.nan_at_iteration >= 0, "debug.nan_at_iteration must be >= 0")
+    need(cfg.debug.iteration_sleep >= 0, "debug.iteration_sleep must be >= 0")
+    need(bool(cfg.run_dir.strip()), "run_dir must not be empty")
+
+    # The env id last: it imports Gymnasium and ale-py, and only matters when the rest is sane.
+    from hvd_rl.envs import check_env_id  # local import keeps config importable without gym
+
+    env_problem = check_env_id(e.id, e.backend)
+    if env_problem:
+        problems.append(env_problem)
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """Writes the resolved config as TOML (flat scalars first, then one table per section)."""
+
+    def fmt(value: Any) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, (int, float)):
+            return repr(value)
+        if isinstance(value, str):
+            return json.dumps(value)
+        if isinstance(value, (list, tuple)):
+            return "[" + ", ".join(fmt(v) for v in value) + "]"
+        raise TypeError(f"cannot write {value!r} as TOML")
+
+    lines = [f"{k} = {fmt(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for key, value in data.items():
+        if isinstance(value, dict):
+            lines.append(f"\n[{key}]")
+            lines.extend(f"{k} = {fmt(v)}" for k, v in value.items())
+    return "\n".join(lines) + "\n"

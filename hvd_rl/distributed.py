@@ -1,0 +1,192 @@
+"""Horovod helpers: topology, threads and devices per rank, named collectives, collective decisions.
+
+Rules this module enforces for the rest of the package:
+- ranks come from Horovod (global rank for identity, local rank only for device/thread placement);
+- every collective has an explicit name and every rank calls it in the same order;
+- control-flow decisions (errors, stop flags) are agreed with a collective, so no rank can be left
+  waiting in an allreduce that the others never reach.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+import horovod.torch as hvd
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int  # global rank: identity, seeds, who writes files
+    size: int
+    local_rank: int  # rank within this node: GPU index, CPU share
+    local_size: int
+    cross_size: int  # number of nodes
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+def init() -> Topology:
+    hvd.init()
+    return topology()
+
+
+def world_size() -> int:
+    return hvd.size()
+
+
+def topology() -> Topology:
+    return Topology(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
+                    local_size=hvd.local_size(), cross_size=hvd.cross_size())
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on, honouring affinity masks and SLURM's per-task CPUs."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_rank(topo: Topology, requested: int = 0) -> int:
+    """Compute threads per rank: explicit request, else SLURM_CPUS_PER_TASK, else a fair share.
+
+    A launcher that binds each rank to its own cores (mpirun's default for <= 2 ranks, srun with
+    --cpus-per-task) already shrinks the affinity mask, so we only divide when the mask still
+    covers the whole node and the ranks on it would otherwise oversubscribe it.
+    """
+    if requested > 0:
+        return requested
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK")
+    if slurm and slurm.isdigit() and int(slurm) > 0:
+        return int(slurm)
+    cpus = available_cpus()
+    node_cpus = os.cpu_count() or cpus
+    if cpus >= node_cpus:
+        return max(1, cpus // max(1, topo.local_size))
+    return max(1, cpus)
+
+
+def configure_threads(topo: Topology, requested: int = 0) -> int:
+    threads = threads_per_rank(topo, requested)
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set (e.g. second trainer in one process, tests)
+        pass
+    return threads
+
+
+def select_device(topo: Topology, requested: str = "auto") -> torch.device:
+    """One CUDA device per local rank; CPU otherwise."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("distributed.device = 'cuda' but no CUDA device is visible to this rank")
+    count = torch.cuda.device_count()
+    index = topo.local_rank % count
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+# ---- collectives (always named; called in the same order on every rank) -------------------------
+
+def allreduce_sum(values: Sequence[float] | np.ndarray | torch.Tensor, name: str) -> np.ndarray:
+    """Sum of a small float64 vector over all ranks."""
+    tensor = torch.as_tensor(np.asarray(values, dtype=np.float64))
+    return hvd.allreduce(tensor, op=hvd.Sum, name=name).numpy()
+
+
+def allgather_rows(array: np.ndarray, name: str) -> np.ndarray:
+    """Concatenates each rank's rows (any count, including zero) in rank order."""
+    return hvd.allgather(torch.as_tensor(np.ascontiguousarray(array)), name=name).numpy()
+
+
+def broadcast_object(obj: Any, name: str, root_rank: int = 0) -> Any:
+    """broadcast_object with a mandatory name: unnamed calls with a None payload can hang."""
+    return hvd.broadcast_object(obj, root_rank=root_rank, name=name)
+
+
+def allgather_object(obj: Any, name: str) -> list[Any]:
+    return hvd.allgather_object(obj, name=name)
+
+
+def any_rank(flag: bool, name: str) -> bool:
+    return bool(allreduce_sum([1.0 if flag else 0.0], name=name)[0] > 0)
+
+
+class CollectiveError(RuntimeError):
+    """Raised identically on every rank when any rank reported a problem."""
+
+
+def agree_on_error(local_error: str | None, name: str) -> None:
+    """Every rank learns every rank's error; all raise the same CollectiveError, or none does.
+
+    Use around work that only some ranks do (rank 0 reads a checkpoint, prepares the run
+    directory) so that a failure there stops everybody instead of leaving them in the next
+    collective.
+    """
+    errors = allgather_object(local_error, name=name)
+    found = [(rank, err) for rank, err in enumerate(errors) if err]
+    if found:
+        rank, message = found[0]
+        prefix = "" if len(errors) == 1 else f"rank {rank}: "
+        raise CollectiveError(prefix + message)
+
+
+def parameter_digest(module: torch.nn.Module) -> int:
+    """A 63-bit digest of the exact parameter bytes (ranks must agree bit for bit)."""
+    digest = hashlib.sha256()
+    for name, param in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+    return int.from_bytes(digest.digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def parameters_agree(module: torch.nn.Module, name: str) -> tuple[bool, list[int]]:
+    """Allgathers each rank's parameter digest; True when all ranks hold identical parameters."""
+    digests = allgather_rows(np.array([parameter_digest(module)], dtype=np.int64), name=name)
+    values = [int(d) for d in digests]
+    return len(set(values)) == 1, values
+
+
+def distributed_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
+                          reduction: str, compression: str,
+                          backward_passes_per_step: int) -> torch.optim.Optimizer:
+    """Wraps the optimizer so gradients are averaged (or Adasum-combined) across ranks.
+
+    This is the one place where gradients are reduced. Allreduces are issued from backward hooks
+    as each gradient becomes ready and overlap the rest of the backward pass.
+    """
+    return hvd.DistributedOptimizer(
+        optimizer,
+        named_parameters=model.named_parameters(),
+        compression=hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none,
+        op=hvd.Adasum if reduction == "adasum" else hvd.Average,
+        backward_passes_per_step=backward_passes_per_step,
+    )
+
+
+def broadcast_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    has_optimizer_state: bool) -> None:
+    """Rank 0's parameters and optimizer state to every rank (start and resume).
+
+    A fresh Adam holds no state, only hyperparameters; Horovod's broadcast_optimizer_state would
+    first create state with a zero-gradient step, which advances Adam's step count and changes
+    its bias correction. So on a fresh start only the hyperparameters travel.
+    `has_optimizer_state` must be the same on every rank.
+    """
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    if has_optimizer_state:
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    else:
+        groups = broadcast_object([{k: v for k, v in g.items() if k != "params"}
+                                   for g in optimizer.param_groups], name="setup.optimizer_hparams")
+        for group, hparams in zip(optimizer.param_groups, groups):
+            group.update(hparams)

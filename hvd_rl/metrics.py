@@ -1,0 +1,98 @@
+"""Run outputs written by rank 0: metrics.jsonl, TensorBoard events, a console line per iteration."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/Inf: write them as null rather than produce an unparsable line."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def truncate_metrics(run_dir: str | Path, last_iteration: int) -> None:
+    """On resume, drop lines from iterations after the checkpoint (they will be run again)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("iteration", 0) <= last_iteration:
+                kept.append(line)
+        except ValueError:
+            continue  # a torn last line from a crash
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    seconds = int(seconds)
+    hours, rem = divmod(seconds, 3600)
+    minutes, secs = divmod(rem, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+class MetricsLogger:
+    """Owned by rank 0 alone; other ranks never create one."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, console: bool = True):
+        self.run_dir = Path(run_dir)
+        self._jsonl = open(self.run_dir / METRICS_FILE, "a", buffering=1)
+        self._console = console
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tb"))
+
+    def log(self, record: dict[str, Any], total_timesteps: int, eta_seconds: float) -> None:
+        clean = {k: _clean(v) for k, v in record.items()}
+        self._jsonl.write(json.dumps(clean) + "\n")
+        self._jsonl.flush()
+        step = record["global_step"]
+        if self._tb is not None:
+            for key, value in clean.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in (
+                        "iteration", "global_step"):
+                    group = "time" if key.startswith("time_") else (
+                        "charts" if key in ("episodic_return_mean", "episodic_length_mean", "sps",
+                                            "learning_rate", "episodes", "world_size") else "losses")
+                    self._tb.add_scalar(f"{group}/{key}", value, step)
+        if self._console:
+            ret = record.get("episodic_return_mean")
+            ret_text = f"return {ret:9.2f} ({record['episodes']} ep)" if ret is not None else "return       n/a"
+            print(f"[hvd_rl] it {record['iteration']:5d} | step {step:>11,d}/{total_timesteps:,d} | "
+                  f"{record['sps']:8.0f} SPS | {ret_text} | kl {record['approx_kl']:.4f} | "
+                  f"ETA {format_duration(eta_seconds)}", flush=True)
+
+    def note(self, message: str) -> None:
+        if self._console:
+            print(f"[hvd_rl] {message}", flush=True)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def log_line(message: str, stream=sys.stdout) -> None:
+    print(f"[hvd_rl] {message}", file=stream, flush=True)

@@ -1,0 +1,252 @@
+"""The PPO algorithm: GAE, minibatch layout, the clipped loss, and the distributed update epoch loop.
+
+Exact N-rank == 1-rank math rests on three choices made here:
+1. Minibatches are drawn per *global* environment: every environment's timesteps are shuffled
+   with a generator keyed by (seed, iteration, epoch, global env index) and split evenly over the
+   minibatches. Each rank's share of minibatch k is therefore the same size, and the union over
+   ranks is exactly the minibatch one process would draw from the whole batch.
+2. Advantages are normalised with allreduced minibatch statistics (ppo.global_advantage_norm).
+3. Gradients are averaged by hvd.DistributedOptimizer; the mean of equal-size rank means is the
+   global mean, so clipping, Adam and every other step see the one-process gradient.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from hvd_rl.config import PPOConfig
+from hvd_rl import distributed as dist
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or the averaged gradient became NaN/Inf; raised on every rank together."""
+
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, terminated: torch.Tensor,
+                truncated: torch.Tensor, bootstrap_values: torch.Tensor, last_value: torch.Tensor,
+                gamma: float, gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over a [T, E] rollout with SAME_STEP autoreset.
+
+    terminated[t]: the episode ended at step t, nothing to bootstrap.
+    truncated[t]: the episode was cut at step t; bootstrap from V(final_obs) = bootstrap_values[t].
+    Either way, values[t + 1] belongs to the next episode and must not leak into step t.
+    """
+    num_steps = rewards.shape[0]
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(last_value)
+    ended = torch.maximum(terminated, truncated)
+    for t in reversed(range(num_steps)):
+        next_value = last_value if t == num_steps - 1 else values[t + 1]
+        continues = 1.0 - ended[t]
+        target = rewards[t] + gamma * (next_value * continues + bootstrap_values[t] * truncated[t])
+        delta = target - values[t]
+        running = delta + gamma * gae_lambda * continues * running
+        advantages[t] = running
+    return advantages, advantages + values
+
+
+def minibatch_indices(seed: int, iteration: int, epoch: int, first_global_env: int,
+                      local_envs: int, global_envs: int, num_steps: int,
+                      num_minibatches: int) -> list[np.ndarray]:
+    """Flat indices (t * local_envs + e) of this rank's share of each minibatch.
+
+    The random order of every global env's timesteps depends only on the seed, the iteration,
+    the epoch and the global env index, never on how envs are spread over ranks.
+    """
+    rng = np.random.default_rng([seed, iteration, epoch])
+    order = np.argsort(rng.random((global_envs, num_steps)), axis=1)  # [global env, shuffled t]
+    mine = order[first_global_env:first_global_env + local_envs]  # [local env, shuffled t]
+    per_env = num_steps // num_minibatches
+    env_index = np.arange(local_envs)[:, None]
+    return [
+        (mine[:, k * per_env:(k + 1) * per_env] * local_envs + env_index).reshape(-1)
+        for k in range(num_minibatches)
+    ]
+
+
+@dataclass
+class Batch:
+    """A flattened rollout on this rank ([T * E] leading dimension)."""
+
+    obs: torch.Tensor
+    actions: torch.Tensor
+    logprobs: torch.Tensor
+    values: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.actions.shape[0]
+
+
+@dataclass
+class LossTerms:
+    total: torch.Tensor
+    policy: torch.Tensor
+    value: torch.Tensor
+    entropy: torch.Tensor
+    approx_kl: torch.Tensor
+    old_approx_kl: torch.Tensor
+    clipfrac: torch.Tensor
+
+
+def logprob_and_entropy(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    log_probs = torch.log_softmax(logits, dim=-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1), entropy
+
+
+def ppo_loss(logits: torch.Tensor, new_values: torch.Tensor, actions: torch.Tensor,
+             old_logprobs: torch.Tensor, old_values: torch.Tensor, advantages: torch.Tensor,
+             returns: torch.Tensor, cfg: PPOConfig) -> LossTerms:
+    """CleanRL's PPO loss: clipped surrogate, (optionally clipped) value loss, entropy bonus.
+
+    `advantages` arrive already normalised when cfg.norm_adv is set.
+    """
+    new_logprobs, entropy = logprob_and_entropy(logits, actions)
+    logratio = new_logprobs - old_logprobs
+    ratio = logratio.exp()
+    with torch.no_grad():
+        approx_kl = ((ratio - 1) - logratio).mean()  # the low-variance k3 estimator
+        old_approx_kl = (-logratio).mean()
+        clipfrac = ((ratio - 1.0).abs() > cfg.clip_coef).float().mean()
+    pg_loss = torch.max(-advantages * ratio,
+                        -advantages * torch.clamp(ratio, 1 - cfg.clip_coef, 1 + cfg.clip_coef)).mean()
+    if cfg.clip_vloss:
+        v_unclipped = (new_values - returns) ** 2
+        v_clipped = old_values + torch.clamp(new_values - old_values, -cfg.clip_coef, cfg.clip_coef)
+        v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - returns) ** 2).mean()
+    else:
+        v_loss = 0.5 * ((new_values - returns) ** 2).mean()
+    entropy_mean = entropy.mean()
+    total = pg_loss - cfg.ent_coef * entropy_mean + cfg.vf_coef * v_loss
+    return LossTerms(total, pg_loss, v_loss, entropy_mean, approx_kl, old_approx_kl, clipfrac)
+
+
+def normalize_advantages(adv: torch.Tensor, global_stats: bool, name: str) -> tuple[torch.Tensor, float]:
+    """(adv - mean) / (std + 1e-8) over the minibatch: over all ranks' shares when global_stats.
+
+    Returns the normalised advantages and the seconds spent in the allreduce.
+    """
+    if not global_stats:
+        return (adv - adv.mean()) / (adv.std() + 1e-8), 0.0
+    adv64 = adv.double()
+    start = time.perf_counter()
+    total, total_sq, count = dist.allreduce_sum(
+        [adv64.sum().item(), (adv64 * adv64).sum().item(), float(adv.numel())], name=name)
+    waited = time.perf_counter() - start
+    mean = total / count
+    var = max(total_sq - count * mean * mean, 0.0) / max(count - 1.0, 1.0)  # unbiased, like .std()
+    return (adv - mean) / (var ** 0.5 + 1e-8), waited
+
+
+@dataclass
+class UpdateStats:
+    policy_loss: float
+    value_loss: float
+    entropy: float
+    approx_kl: float  # mean over the minibatches of the last epoch run
+    old_approx_kl: float
+    clipfrac: float
+    grad_norm: float
+    epochs_run: int
+    time_update: float  # seconds of compute (forward, backward, optimizer step)
+    time_allreduce: float  # seconds waiting for gradient and statistics allreduces
+
+
+class PPOLearner:
+    """Runs the update epochs for one rollout; identical control flow on every rank."""
+
+    def __init__(self, model: nn.Module, optimizer, cfg: PPOConfig, seed: int,
+                 amp: str = "off", device: torch.device = torch.device("cpu")):
+        self.model = model
+        self.optimizer = optimizer  # an hvd.DistributedOptimizer
+        self.cfg = cfg
+        self.seed = seed
+        self.device = device
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp) if device.type == "cuda" else None
+        self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype is torch.float16 else None
+        self.loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None  # fault injection
+
+    def _forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.amp_dtype is None:
+            return self.model(obs)
+        with torch.autocast(self.device.type, dtype=self.amp_dtype):
+            logits, values = self.model(obs)
+        return logits.float(), values.float()
+
+    def update(self, batch: Batch, iteration: int, first_global_env: int, local_envs: int,
+               global_envs: int, num_steps: int) -> UpdateStats:
+        cfg = self.cfg
+        params = [p for p in self.model.parameters()]
+        micro = cfg.backward_passes_per_step
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        t_start = time.perf_counter()
+        t_allreduce = 0.0
+        # Per-epoch sums of: policy loss, value loss, entropy, approx KL, old approx KL, clipfrac.
+        sums = torch.zeros(6, dtype=torch.float64, device=self.device)
+        grad_norm = 0.0
+        epochs_run = 0
+        approx_kl = 0.0
+        for epoch in range(cfg.update_epochs):
+            sums.zero_()
+            minibatches = minibatch_indices(self.seed, iteration, epoch, first_global_env,
+                                            local_envs, global_envs, num_steps, cfg.num_minibatches)
+            for mb_index, mb in enumerate(minibatches):
+                mb = torch.from_numpy(mb).to(self.device)
+                adv = batch.advantages[mb]
+                if cfg.norm_adv:
+                    adv, waited = normalize_advantages(
+                        adv, cfg.global_advantage_norm, name=f"ppo.adv_stats.{epoch}.{mb_index}")
+                    t_allreduce += waited
+                self.optimizer.zero_grad()
+                for part in torch.chunk(torch.arange(len(mb), device=self.device), micro):
+                    idx = mb[part]
+                    logits, new_values = self._forward(batch.obs[idx])
+                    terms = ppo_loss(logits, new_values, batch.actions[idx], batch.logprobs[idx],
+                                     batch.values[idx], adv[part], batch.returns[idx], cfg)
+                    loss = terms.total / micro
+                    if self.loss_hook is not None:
+                        loss = self.loss_hook(loss)
+                    (self.scaler.scale(loss) if self.scaler else loss).backward()
+                    with torch.no_grad():
+                        sums += torch.stack([terms.policy, terms.value, terms.entropy, terms.approx_kl,
+                                             terms.old_approx_kl, terms.clipfrac]).double() / micro
+                t0 = time.perf_counter()
+                self.optimizer.synchronize()  # wait for the averaged gradients
+                t_allreduce += time.perf_counter() - t0
+                if self.scaler:
+                    self.scaler.unscale_(self.optimizer)
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+                # The averaged gradient is bit-identical on every rank, so this decision is too.
+                if not torch.isfinite(norm) and self.scaler is None:
+                    raise NonFiniteLossError(
+                        f"non-finite loss/gradient at iteration {iteration} (epoch {epoch}, "
+                        f"minibatch {mb_index}); stopping all ranks")
+                grad_norm = float(norm)
+                with self.optimizer.skip_synchronize():
+                    if self.scaler:
+                        self.scaler.step(self.optimizer)
+                        self.scaler.update()
+                    else:
+                        self.optimizer.step()
+            epochs_run += 1
+            # Early stopping on the allreduced KL: every rank takes the same branch.
+            n = len(minibatches)
+            t0 = time.perf_counter()
+            approx_kl = float(dist.allreduce_sum([float(sums[3]) / n], name=f"ppo.kl.{epoch}")[0]) / dist.world_size()
+            t_allreduce += time.perf_counter() - t0
+            if cfg.target_kl > 0 and approx_kl > cfg.target_kl:
+                break
+        means = (sums / cfg.num_minibatches).tolist()
+        elapsed = time.perf_counter() - t_start
+        return UpdateStats(
+            policy_loss=means[0], value_loss=means[1], entropy=means[2],
+            approx_kl=approx_kl, old_approx_kl=means[4], clipfrac=means[5],
+            grad_norm=grad_norm, epochs_run=epochs_run,
+            time_update=elapsed - t_allreduce, time_allreduce=t_allreduce)

@@ -1,0 +1,140 @@
+"""`hvd-rl slurm render`: ready-to-submit sbatch scripts from the templates in slurm/.
+
+The templates stay valid sbatch scripts on their own. Rendering rewrites their `#SBATCH` header
+and the settings lines tagged `# hvd-rl:<name>`, so users never hand-edit a template.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+TEMPLATES = {"cpu": "train_cpu.sbatch", "gpu": "train_gpu.sbatch", "sweep": "scaling_sweep.sbatch"}
+_TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")
+
+
+class SlurmRenderError(ValueError):
+    pass
+
+
+def template_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "slurm"
+
+
+def add_render_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--template", choices=sorted(TEMPLATES), default="cpu",
+                        help="cpu: CPU nodes; gpu: one rank per GPU with NCCL; sweep: scaling-study job array")
+    parser.add_argument("--out", "-o", required=True, help="where to write the script")
+    parser.add_argument("--job-name", help="#SBATCH --job-name")
+    parser.add_argument("--nodes", type=int, help="#SBATCH --nodes")
+    parser.add_argument("--ntasks-per-node", type=int, help="ranks per node")
+    parser.add_argument("--cpus-per-task", type=int, help="CPU threads per rank")
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs per node (gpu template: one rank each)")
+    parser.add_argument("--time", help="time limit, e.g. 02:00:00 or 1-12:00:00")
+    parser.add_argument("--partition", help="#SBATCH --partition")
+    parser.add_argument("--account", help="#SBATCH --account")
+    parser.add_argument("--signal-seconds", type=int,
+                        help="seconds before the time limit to checkpoint and requeue (default 120)")
+    parser.add_argument("--config", help="training config (path as seen from the submit directory)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="config override passed to hvd-rl train; repeatable")
+    parser.add_argument("--run-root", help="parent directory of the per-job run directories")
+    parser.add_argument("--launcher", choices=["srun", "mpirun", "horovodrun"],
+                        help="how ranks are started inside the allocation (default srun --mpi=pmix)")
+    parser.add_argument("--ranks", help="sweep: space-separated rank counts, one array element each")
+    parser.add_argument("--sweep-nodes", help="sweep: space-separated node counts matching --ranks")
+    parser.add_argument("--mode", choices=["weak", "strong"], help="sweep: scaling mode")
+    parser.add_argument("--iterations", type=int, help="sweep: measured iterations per point")
+
+
+def _sbatch_lines(args: argparse.Namespace) -> dict[str, str | None]:
+    lines: dict[str, str | None] = {
+        "job-name": args.job_name, "nodes": args.nodes, "ntasks-per-node": args.ntasks_per_node,
+        "cpus-per-task": args.cpus_per_task, "time": args.time, "partition": args.partition,
+        "account": args.account,
+    }
+    if args.gpus_per_node is not None:
+        lines["gpus-per-node"] = args.gpus_per_node
+    if args.signal_seconds is not None:
+        lines["signal"] = f"B:USR1@{args.signal_seconds}"
+    return {k: (None if v is None else str(v)) for k, v in lines.items()}
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("nodes", "ntasks_per_node", "cpus_per_task", "signal_seconds", "iterations"):
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            raise SlurmRenderError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.gpus_per_node is not None and args.gpus_per_node < 0:
+        raise SlurmRenderError("--gpus-per-node must be >= 0")
+    if args.time is not None and not _TIME.match(args.time):
+        raise SlurmRenderError(f"--time {args.time!r} is not a SLURM time (HH:MM:SS or D-HH:MM:SS)")
+    for name in ("ranks", "sweep_nodes"):
+        value = getattr(args, name, None)
+        if value is not None and not all(v.isdigit() and int(v) > 0 for v in value.split()):
+            raise SlurmRenderError(f"--{name.replace('_', '-')} must be positive integers, got {value!r}")
+    if args.ranks and args.sweep_nodes and len(args.ranks.split()) != len(args.sweep_nodes.split()):
+        raise SlurmRenderError("--ranks and --sweep-nodes must have the same number of entries")
+    for text in args.overrides:
+        if "=" not in text or not text.split("=", 1)[0].strip():
+            raise SlurmRenderError(f"--set {text!r}: expected section.key=value")
+
+
+def render(template_text: str, sbatch: dict[str, str | None], settings: dict[str, str]) -> str:
+    """Rewrites #SBATCH options (adding missing ones after the last) and tagged settings lines."""
+    lines = template_text.splitlines()
+    pending = {k: v for k, v in sbatch.items() if v is not None}
+    last_sbatch = 0
+    for i, line in enumerate(lines):
+        m = re.match(r"^#{1,2}SBATCH\s+--([a-z-]+)(?:[= ](.*))?$", line)
+        if m:
+            last_sbatch = i
+            key = m.group(1)
+            if key in pending:
+                lines[i] = f"#SBATCH --{key}={pending.pop(key)}"
+            continue
+        m = re.match(r"^(\s*)([A-Z_]+)=(.*?)(\s+# hvd-rl:([a-z_]+).*)$", line)
+        if m and m.group(5) in settings:
+            lines[i] = f"{m.group(1)}{m.group(2)}={settings[m.group(5)]}{m.group(4)}"
+    extra = [f"#SBATCH --{k}={v}" for k, v in pending.items()]
+    lines[last_sbatch + 1:last_sbatch + 1] = extra
+    return "\n".join(lines) + "\n"
+
+
+def render_from_args(args: argparse.Namespace) -> Path:
+    _check(args)
+    template = template_dir() / TEMPLATES[args.template]
+    settings: dict[str, str] = {}
+    if args.config:
+        settings["config"] = shlex.quote(args.config)
+    if args.overrides:
+        settings["set"] = "(" + " ".join(shlex.quote(f"--set={o}") for o in args.overrides) + ")"
+    if args.run_root:
+        settings["run_root"] = shlex.quote(args.run_root)
+    if args.launcher:
+        settings["launcher"] = args.launcher
+    if args.ranks:
+        settings["ranks"] = "(" + args.ranks + ")"
+    if args.sweep_nodes:
+        settings["sweep_nodes"] = "(" + args.sweep_nodes + ")"
+    if args.mode:
+        settings["mode"] = args.mode
+    if args.iterations:
+        settings["iterations"] = str(args.iterations)
+    sbatch = _sbatch_lines(args)
+    if args.template == "sweep":
+        count = len((args.ranks or "").split())
+        if count:
+            sbatch["array"] = f"0-{count - 1}"
+            sbatch["ntasks-per-node"] = sbatch["ntasks-per-node"] or str(max(int(r) for r in args.ranks.split()))
+    text = render(template.read_text(), sbatch, settings)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    out.chmod(0o755)
+    check = subprocess.run(["bash", "-n", str(out)], capture_output=True, text=True)
+    if check.returncode != 0:
+        raise SlurmRenderError(f"rendered script fails 'bash -n': {check.stderr.strip()}")
+    return out

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# One-command, idempotent setup of a fresh machine for hvd_rl.
+#
+#   scripts/setup.sh            # OpenMPI (apt, if mpirun is missing), .venv, torch, Horovod, hvd_rl
+#   scripts/setup.sh --slurm    # also the Debian SLURM + munge packages used by the SLURM tests
+#
+# Environment knobs:
+#   HVD_RL_VENV             virtual environment to create/use            (default: <repo>/.venv)
+#   HVD_RL_PYTHON           interpreter that creates the venv            (default: python3)
+#   HVD_RL_TORCH            pip requirement for PyTorch                  (default: torch==2.13.0, the CPU
+#                           build on local disk here; on a GPU cluster pass the site's CUDA build)
+#   HVD_RL_CACHE            cache for the Horovod sdist and built wheels (default: ~/.cache/hvd_rl)
+#   HOROVOD_GPU_OPERATIONS  set to NCCL on GPU nodes to build Horovod with NCCL
+#
+# Horovod 0.28.1 is the latest release but does not compile against PyTorch >= 2.1 as published:
+# its CMake asks for C++14 and PyTorch's headers need C++17. We build the sdist with the small
+# patch in scripts/horovod-0.28.1-cxx17.patch and cache the wheel, keyed by Horovod, torch and
+# Python versions, the patch and the GPU options, so every later setup takes seconds.
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${HVD_RL_VENV:-$REPO_ROOT/.venv}"
+PYTHON="${HVD_RL_PYTHON:-python3}"
+TORCH_REQ="${HVD_RL_TORCH:-torch==2.13.0}"
+CACHE="${HVD_RL_CACHE:-$HOME/.cache/hvd_rl}"
+HOROVOD_VERSION=0.28.1
+PATCH="$REPO_ROOT/scripts/horovod-$HOROVOD_VERSION-cxx17.patch"
+WITH_SLURM=0
+for arg in "$@"; do
+  case "$arg" in
+    --slurm) WITH_SLURM=1 ;;
+    -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "setup.sh: unknown option '$arg' (try --help)" >&2; exit 2 ;;
+  esac
+done
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+apt_install() {
+  # Installs only the Debian packages that are missing; apt-get update only when needed.
+  local missing=()
+  for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  command -v apt-get >/dev/null || { echo "setup.sh: need ${missing[*]} but apt-get is unavailable; install them (or 'module load' them) first" >&2; exit 1; }
+  log "apt-get install ${missing[*]}"
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+# 1. MPI: a site's module usually provides it; otherwise Debian's OpenMPI.
+if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null; then
+  apt_install openmpi-bin libopenmpi-dev
+fi
+if [ "$WITH_SLURM" = 1 ]; then
+  apt_install slurm-wlm munge slurm-wlm-basic-plugins libpmix-dev
+fi
+
+# 2. Virtual environment and PyTorch first (Horovod compiles against it).
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+pip_install() {
+  # pip's own noise about this machine's unused local index entries is dropped; errors are kept.
+  "$PY" -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+
+# Fast path: nothing changed since the last complete setup.
+STAMP="$VENV/.hvd_rl_setup"
+STAMP_KEY="$(cat "$REPO_ROOT/setup.py" "$0" "$PATCH" | sha256sum | cut -c1-16) torch=$TORCH_REQ gpu=${HOROVOD_GPU_OPERATIONS:-none}"
+if [ -f "$STAMP" ] && [ -f "$VENV/.hvd_rl_check_build" ] && [ "$(cat "$STAMP")" = "$STAMP_KEY" ] && "$PY" -c "import hvd_rl, horovod.torch" 2>/dev/null; then
+  log "up to date ($VENV); horovodrun --check-build, as recorded by the last full setup:"
+  cat "$VENV/.hvd_rl_check_build"
+  exit 0
+fi
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  log "installing $TORCH_REQ"
+  pip_install "$TORCH_REQ" numpy
+fi
+pip_install setuptools wheel packaging psutil pyyaml cloudpickle cffi
+command -v cmake >/dev/null || pip_install "cmake>=3.13,<4"
+
+# 3. Horovod from a cached wheel, or built from the patched sdist once.
+horovod_ok() {
+  "$PY" - <<'EOF' 2>/dev/null
+import horovod, horovod.torch as hvd
+assert horovod.__version__ == "0.28.1"
+assert hvd.mpi_built() and hvd.gloo_built()
+EOF
+}
+if horovod_ok; then
+  log "Horovod $HOROVOD_VERSION already installed"
+else
+  TORCH_VERSION="$("$PY" -c 'import torch; print(torch.__version__)')"
+  PY_VERSION="$("$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
+  MPI_VERSION="$(mpirun --version 2>/dev/null | head -1 | tr -cd '[:alnum:]._ ')"
+  KEY_SRC="horovod=$HOROVOD_VERSION torch=$TORCH_VERSION python=$PY_VERSION mpi=$MPI_VERSION patch=$(sha256sum "$PATCH" | cut -c1-16) gpu=${HOROVOD_GPU_OPERATIONS:-none} arch=$(uname -m)"
+  KEY="$(printf '%s' "$KEY_SRC" | sha256sum | cut -c1-16)"
+  WHEEL_DIR="$CACHE/wheels/horovod-$HOROVOD_VERSION-$KEY"
+  if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+    log "building Horovod $HOROVOD_VERSION for $KEY_SRC (about 8 minutes on 2 cores)"
+    mkdir -p "$CACHE/sdist"
+    SDIST="$CACHE/sdist/horovod-$HOROVOD_VERSION.tar.gz"
+    [ -f "$SDIST" ] || "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$CACHE/sdist" \
+      2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+    BUILD="$(mktemp -d)"
+    trap 'rm -rf "$BUILD"' EXIT
+    tar xzf "$SDIST" -C "$BUILD"
+    (cd "$BUILD/horovod-$HOROVOD_VERSION" && patch -p1 -s < "$PATCH")
+    GPU_FLAGS=()
+    [ -n "${HOROVOD_GPU_OPERATIONS:-}" ] && GPU_FLAGS=(HOROVOD_GPU_OPERATIONS="$HOROVOD_GPU_OPERATIONS")
+    env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+        HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+        MAKEFLAGS="-j$(nproc)" "${GPU_FLAGS[@]}" \
+        "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$BUILD/dist" "$BUILD/horovod-$HOROVOD_VERSION" \
+        2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+    mkdir -p "$WHEEL_DIR"
+    cp "$BUILD"/dist/horovod-*.whl "$WHEEL_DIR/"
+    printf '%s\n' "$KEY_SRC" > "$WHEEL_DIR/KEY"
+  else
+    log "Horovod wheel cache hit: $WHEEL_DIR"
+  fi
+  pip_install --force-reinstall --no-deps "$WHEEL_DIR"/horovod-*.whl
+  pip_install "$(ls "$WHEEL_DIR"/horovod-*.whl)"
+fi
+
+# 4. The project itself, with the test extras.
+log "installing hvd_rl (editable)"
+pip_install -e "$REPO_ROOT[test]"
+
+log "horovodrun --check-build"
+"$VENV/bin/horovodrun" --check-build | tee "$VENV/.hvd_rl_check_build"
+printf '%s' "$STAMP_KEY" > "$STAMP"
+log "done: activate with 'source $VENV/bin/activate'"

@@ -1,0 +1,28 @@
+"""hvd_rl: Horovod-based distributed PPO for Atari and Gymnasium, as an HPC batch application."""
+from setuptools import find_packages, setup
+
+# Runtime dependencies. environment.yml must list the same set (tests/test_packaging.py checks).
+# Horovod is built from source by scripts/setup.sh (C++17 patch for PyTorch >= 2.1); pip then
+# only sees it as satisfied. torch is left open so GPU sites can bring their CUDA build.
+INSTALL_REQUIRES = [
+    "torch>=2.1",
+    "horovod==0.28.1",
+    "gymnasium>=1.0,<2",
+    "ale-py>=0.11",
+    "numpy>=1.24",
+    "mpi4py>=3.1",
+    "tensorboard>=2.12",
+    "matplotlib>=3.7",
+    "opencv-python-headless>=4.8",  # Gymnasium's AtariPreprocessing (sync/async Atari backends)
+]
+
+setup(
+    name="hvd_rl",
+    version="0.1.0",
+    description="Distributed deep reinforcement learning (PPO) with Horovod for HPC clusters",
+    packages=find_packages(include=["hvd_rl", "hvd_rl.*"]),
+    python_requires=">=3.9",
+    install_requires=INSTALL_REQUIRES,
+    extras_require={"test": ["pytest>=7", "pytest-timeout>=2"]},
+    entry_points={"console_scripts": ["hvd-rl=hvd_rl.cli:main"]},
+)

@@ -1,0 +1,70 @@
+"""Shared helpers: launch real ranks (mpirun / horovodrun) with timeouts, read run outputs."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent  # the venv's bin: hvd-rl, horovodrun, python
+PYTHON = sys.executable
+CARTPOLE = REPO / "configs" / "cartpole_ppo.toml"
+ATARI = REPO / "configs" / "atari_ppo.toml"
+
+# Small, fast CartPole settings for behaviour tests (not for learning).
+QUICK = ["logging.tensorboard=false", "env.num_envs=2", "ppo.num_steps=32",
+         "ppo.num_minibatches=2", "ppo.update_epochs=2"]
+
+
+def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}:{env.get('PATH', '')}"})
+    env.pop("HOROVOD_RANK", None)
+    env.update(extra or {})
+    return env
+
+
+def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
+        cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Runs a command in its own process group; on timeout kills the whole group and fails."""
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env or launch_env(), cwd=cwd or REPO,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{out[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def mpirun_cmd(np: int, *args) -> list[str]:
+    return ["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none", *map(str, args)]
+
+
+def horovodrun_cmd(np: int, *args, gloo: bool = True) -> list[str]:
+    return [str(BIN / "horovodrun"), "--gloo" if gloo else "--mpi", "-np", str(np),
+            "-H", f"localhost:{np}", *map(str, args)]
+
+
+def train_cmd(run_dir: Path, *sets: str, config: Path = CARTPOLE, extra: tuple[str, ...] = ()) -> list[str]:
+    cmd = [str(BIN / "hvd-rl"), "train", "--config", str(config), "--run-dir", str(run_dir)]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd + list(extra)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def check(result: subprocess.CompletedProcess, code: int = 0) -> str:
+    assert result.returncode == code, f"exit {result.returncode} (expected {code}):\n{result.stdout[-6000:]}"
+    return result.stdout

@@ -1,0 +1,79 @@
+"""Config loading, overrides and validation (before any rank starts work)."""
+import tomllib
+
+import pytest
+
+from conftest import ATARI, BIN, CARTPOLE, check, run
+from hvd_rl.config import ConfigError, TrainConfig, load_config, validate
+
+
+def test_presets_load_and_validate():
+    atari = load_config(ATARI)
+    validate(atari)
+    assert (atari.env.num_envs, atari.ppo.num_steps, atari.ppo.clip_coef) == (8, 128, 0.1)
+    assert atari.ppo.learning_rate == 2.5e-4 and atari.ppo.adam_eps == 1e-5
+    assert atari.ppo.total_timesteps == 10_000_000 and atari.ppo.max_grad_norm == 0.5
+    assert atari.model.kind == "nature_cnn" and atari.env.frame_stack == 4 and atari.env.noop_max == 30
+    cartpole = load_config(CARTPOLE)
+    validate(cartpole)
+    assert cartpole.model.kind == "mlp"
+
+
+def test_overrides_apply_in_order_and_coerce_types():
+    cfg = load_config(CARTPOLE, ["ppo.total_timesteps=1e5", "env.num_envs=3", "ppo.anneal_lr=false",
+                                 "env.id=ALE/Pong-v5", "model.hidden_sizes=[32, 16]", "seed=7",
+                                 "env.num_envs=5"])
+    assert cfg.ppo.total_timesteps == 100_000 and isinstance(cfg.ppo.total_timesteps, int)
+    assert cfg.env.num_envs == 5 and cfg.ppo.anneal_lr is False and cfg.env.id == "ALE/Pong-v5"
+    assert cfg.model.hidden_sizes == [32, 16] and cfg.seed == 7
+
+
+@pytest.mark.parametrize("override, message", [
+    ("ppo.bogus=1", "unknown key 'ppo.bogus'"),
+    ("nosuch.key=1", "unknown key 'nosuch'"),
+    ("env.num_envs=many", "expected an integer"),
+    ("ppo.anneal_lr=maybe", "expected true or false"),
+    ("justtext", "expected section.key=value"),
+])
+def test_bad_overrides_are_rejected(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(CARTPOLE, [override])
+
+
+def test_validation_lists_every_problem():
+    cfg = load_config(CARTPOLE, ["env.num_envs=0", "ppo.num_steps=30", "ppo.num_minibatches=4",
+                                 "distributed.reduction=sum", "env.backend=gpu", "ppo.gamma=1.5"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    text = str(err.value)
+    for fragment in ("env.num_envs must be positive", "divisible by ppo.num_minibatches",
+                     "distributed.reduction", "env.backend", "ppo.gamma"):
+        assert fragment in text
+
+
+def test_unknown_env_id_and_wrong_backend():
+    with pytest.raises(ConfigError, match="not a registered Gymnasium environment"):
+        validate(load_config(CARTPOLE, ["env.id=NoSuchEnv-v0"]))
+    with pytest.raises(ConfigError, match="needs an ALE environment"):
+        validate(load_config(CARTPOLE, ["env.backend=ale_vector"]))
+
+
+def test_resolved_config_round_trips_through_toml():
+    cfg = load_config(ATARI, ["seed=3"])
+    again = TrainConfig()
+    from hvd_rl.config import _apply
+
+    _apply(again, tomllib.loads(cfg.to_toml()), "roundtrip")
+    assert again == cfg
+
+
+def test_check_config_cli_prints_resolved_toml():
+    out = check(run([BIN / "hvd-rl", "train", "--config", CARTPOLE, "--set", "ppo.num_steps=64",
+                     "--check-config"], timeout=60))
+    assert tomllib.loads(out)["ppo"]["num_steps"] == 64
+
+
+def test_missing_config_file_is_one_clear_error(tmp_path):
+    result = run([BIN / "hvd-rl", "train", "--config", tmp_path / "nope.toml"], timeout=60)
+    assert result.returncode == 2
+    assert "config file not found" in result.stdout and "Traceback" not in result.stdout

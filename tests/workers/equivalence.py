@@ -1,0 +1,66 @@
+"""Worker: PPO update on a fixed global rollout batch; each rank takes its slice of environments.
+
+usage: equivalence.py OUT.pt {mlp|cnn} {global|local} [compression]
+Rank 0 saves the updated parameters; the test compares 1 process with 2 ranks.
+"""
+import sys
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from hvd_rl import distributed as dist
+from hvd_rl.config import ModelConfig, PPOConfig
+from hvd_rl.models import build_model
+from hvd_rl.ppo import Batch, PPOLearner
+
+out, kind, norm = sys.argv[1], sys.argv[2], sys.argv[3]
+compression = sys.argv[4] if len(sys.argv) > 4 else "none"
+topo = dist.init()
+torch.set_num_threads(1)
+T, E_GLOBAL = 16, 4
+local = E_GLOBAL // topo.size
+if kind == "cnn":
+    obs_space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+else:
+    obs_space = gym.spaces.Box(-5, 5, (4,), np.float32)
+action_space = gym.spaces.Discrete(4)
+
+torch.manual_seed(0)
+model = build_model(ModelConfig(kind="nature_cnn" if kind == "cnn" else "mlp"), obs_space, action_space)
+cfg = PPOConfig(num_steps=T, num_minibatches=4, update_epochs=3, clip_coef=0.1, max_grad_norm=0.5,
+                global_advantage_norm=(norm == "global"), learning_rate=1e-3)
+optimizer = dist.distributed_optimizer(torch.optim.Adam(model.parameters(), lr=cfg.learning_rate, eps=1e-5),
+                                       model, reduction="average", compression=compression,
+                                       backward_passes_per_step=1)
+dist.broadcast_state(model, optimizer, has_optimizer_state=False)
+
+# The fixed global batch, [T, E_GLOBAL, ...], identical on every rank.
+rng = np.random.default_rng(123)
+if kind == "cnn":
+    obs = torch.from_numpy(rng.integers(0, 256, (T, E_GLOBAL, 4, 84, 84), dtype=np.uint8))
+else:
+    obs = torch.from_numpy(rng.normal(size=(T, E_GLOBAL, 4)).astype(np.float32))
+actions = torch.from_numpy(rng.integers(0, 4, (T, E_GLOBAL)))
+with torch.no_grad():
+    logits, values = model(obs.reshape((T * E_GLOBAL,) + obs.shape[2:]))
+    logp = torch.log_softmax(logits, -1).gather(-1, actions.reshape(-1, 1)).reshape(T, E_GLOBAL)
+    values = values.reshape(T, E_GLOBAL)
+advantages = torch.from_numpy(rng.normal(2.0, 3.0, (T, E_GLOBAL)).astype(np.float32))
+returns = values + advantages
+
+
+def mine(x):
+    part = x[:, topo.rank * local:(topo.rank + 1) * local]
+    return part.reshape((T * local,) + tuple(x.shape[2:]))
+
+
+batch = Batch(obs=mine(obs), actions=mine(actions), logprobs=mine(logp), values=mine(values),
+              advantages=mine(advantages), returns=mine(returns))
+learner = PPOLearner(model, optimizer, cfg, seed=5)
+for iteration in (1, 2):
+    stats = learner.update(batch, iteration, topo.rank * local, local, E_GLOBAL, T)
+agree, _ = dist.parameters_agree(model, "final")
+assert agree, "ranks disagree"
+if topo.rank == 0:
+    torch.save({"params": model.state_dict(), "kl": stats.approx_kl}, out)
