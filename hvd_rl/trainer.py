@@ -237,8 +237,9 @@ class Trainer:
 
     # ---- one iteration ----------------------------------------------------------------------
 
-    def _iteration(self, progress: Any) -> bool:
-        """Runs one PPO iteration on every rank; returns True when all ranks agreed to preempt."""
+    def _iteration(self, progress: Any) -> tuple[dict[str, Any], bool]:
+        """Runs one PPO iteration on every rank; returns its metrics and whether all ranks agreed
+        to preempt (a signal arrived on any rank)."""
         cfg, ppo = self.cfg, self.cfg.ppo
         topo = dist.topology()
         num_envs = cfg.env.num_envs
@@ -307,7 +308,12 @@ class Trainer:
             done = progress.global_step - self._start_step
             eta = (ppo.total_timesteps - progress.global_step) * elapsed / done if done else float("nan")
             logger.log(record, ppo.total_timesteps, eta)
-        return sums[14] > 0
+        return record, bool(sums[14] > 0)
+
+    def iterate(self) -> dict[str, Any]:
+        """One iteration outside the training loop (used by benchmarks); returns its metrics."""
+        self._ensure_envs(self.progress)
+        return self._iteration(self.progress)[0]
 
     def _logger(self) -> MetricsLogger:
         if self.logger is None:  # elastic: this process may have become rank 0 after a reset
@@ -345,7 +351,7 @@ class Trainer:
         while progress.global_step + cfg.global_batch_size(dist.world_size()) <= cfg.ppo.total_timesteps:
             if self._ensure_envs(progress):
                 commit()  # elastic: the new seed offset survives a reset
-            preempt = self._iteration(progress)
+            _, preempt = self._iteration(progress)
             commit()
             every = cfg.checkpoint.every
             if preempt or (every and progress.iteration % every == 0):
