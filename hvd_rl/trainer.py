@@ -37,6 +37,7 @@ EXIT_NONFINITE = 3  # NaN/Inf loss: the last good checkpoint is left untouched
 EXIT_PREEMPTED = 75  # checkpointed after SIGTERM/SIGUSR1; rerun with --resume auto (EX_TEMPFAIL)
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTED_MARKER = "preempted.json"  # written by rank 0 next to the checkpoint when preempted
 
 
 class Preempted(Exception):
@@ -169,11 +170,9 @@ class Trainer:
                 warn(message)
             if path is None:
                 log_line(f"no checkpoint in {run_dir}; starting a new run")
-                truncate_metrics(run_dir, 0)
                 return None, None
         else:
             path, state = Path(resume), load_checkpoint(resume)
-        truncate_metrics(run_dir, state["iteration"])
         return path, state
 
     def _resume_info(self, ckpt: dict | None, path: Path | None) -> dict[str, Any]:
@@ -186,7 +185,11 @@ class Trainer:
                 "envs_per_rank": int(ckpt["envs_per_rank"])}
 
     def _write_run_files(self, info: dict[str, Any]) -> None:
+        """Rank 0, once every check passed: only now are existing run files touched."""
         cfg, topo = self.cfg, self.topo
+        # Metrics of iterations after the checkpoint will be produced again: drop them.
+        truncate_metrics(self.run_dir, info["iteration"])
+        (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
         tmp = self.run_dir / ".config.toml.tmp"
         tmp.write_text(cfg.to_toml())
         os.replace(tmp, self.run_dir / "config.toml")
@@ -342,6 +345,8 @@ class Trainer:
             }
             path = save_checkpoint(self.run_dir, state, keep=self.cfg.checkpoint.keep)
             self._logger().note(f"checkpoint {path}")
+        # Nobody moves on (or exits, which makes mpirun/srun kill the job) before the file is down.
+        dist.allreduce_sum([0.0], name="checkpoint.written")
         self._last_checkpoint_iteration = progress.iteration
 
     # ---- loops ------------------------------------------------------------------------------
@@ -357,8 +362,13 @@ class Trainer:
             if preempt or (every and progress.iteration % every == 0):
                 self._checkpoint(progress)
             if preempt:
-                raise Preempted(f"preempted at iteration {progress.iteration}, global step "
-                                f"{progress.global_step}; resume with --resume auto")
+                message = (f"preempted at iteration {progress.iteration}, global step "
+                           f"{progress.global_step}; resume with --resume auto")
+                if dist.topology().rank == 0:
+                    # For launchers that do not pass exit code 75 through (horovodrun returns 1).
+                    (self.run_dir / PREEMPTED_MARKER).write_text(json.dumps(
+                        {"iteration": progress.iteration, "global_step": progress.global_step}) + "\n")
+                raise Preempted(message)
 
     def _finish(self, progress: Any) -> None:
         identical, digests = dist.parameters_agree(self.model, "final.verify")

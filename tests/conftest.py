@@ -68,3 +68,52 @@ def read_jsonl(path: Path) -> list[dict]:
 def check(result: subprocess.CompletedProcess, code: int = 0) -> str:
     assert result.returncode == code, f"exit {result.returncode} (expected {code}):\n{result.stdout[-6000:]}"
     return result.stdout
+
+
+def start(cmd: list, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Starts a launcher in its own process group (for tests that signal or kill ranks)."""
+    return subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env or launch_env(), cwd=REPO, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def wait_for_iterations(run_dir: Path, count: int, proc: subprocess.Popen, timeout: float) -> None:
+    import time
+
+    deadline = time.time() + timeout
+    path = Path(run_dir) / "metrics.jsonl"
+    while time.time() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= count:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"job ended early ({proc.returncode}):\n{proc.stdout.read()[-4000:]}")
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"{count} iterations not reached in {timeout}s")
+
+
+def rank_pid(marker: str, rank: int) -> int:
+    """PID of the trainer process of a given global rank whose command line contains marker."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker not in cmdline or "hvd-rl" not in cmdline or "horovodrun" in cmdline:
+            continue
+        for var in (b"OMPI_COMM_WORLD_RANK=", b"HOROVOD_RANK="):
+            if var + str(rank).encode() in environ:
+                return int(entry.name)
+    raise AssertionError(f"no rank {rank} process for {marker}")

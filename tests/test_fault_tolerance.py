@@ -1,0 +1,270 @@
+"""Checkpoints, resume, preemption, elastic training and failing well: real ranks, real signals."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (BIN, QUICK, REPO, check, finish, launch_env, mpirun_cmd, rank_pid, read_jsonl, run,
+                      start, train_cmd, wait_for_iterations)
+from hvd_rl.checkpoint import load_checkpoint
+
+PREEMPTED = 75
+BAD_INPUT = 2
+NONFINITE = 3
+
+
+def _steps(rows):
+    return [r["global_step"] for r in rows]
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+def test_checkpoints_are_atomic_verified_and_pruned(tmp_path):
+    run_dir = tmp_path / "run"
+    check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=1280", "checkpoint.every=3",
+                                        "checkpoint.keep=2")), timeout=180))
+    ckpts = run_dir / "checkpoints"
+    names = sorted(p.name for p in ckpts.iterdir())
+    # iterations 3, 6, 9 and the final 10; the newest two kept, each with its manifest
+    assert names == ["ckpt_00000009.json", "ckpt_00000009.pt", "ckpt_00000010.json", "ckpt_00000010.pt",
+                     "latest.pt"]
+    assert os.readlink(ckpts / "latest.pt") == "ckpt_00000010.pt"
+    state = load_checkpoint(ckpts / "latest.pt")  # weights_only=True inside
+    assert state["iteration"] == 10 and state["global_step"] == 1280 and state["world_size"] == 2
+    assert len(state["rng"]["torch"]) == 2  # one RNG state per rank
+    assert state["config"]["env"]["id"] == "CartPole-v1" and state["format_version"] == 1
+    assert state["lr_schedule"]["global_step"] == 1280 and "model" in state and "optimizer" in state
+    assert not list(ckpts.glob(".*"))  # no temporary files left behind
+
+
+def test_checkpoint_with_code_is_never_executed(tmp_path):
+    """A pickle that would run code on load is refused by weights_only loading."""
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    path = tmp_path / "evil.pt"
+    import torch
+
+    torch.save({"format_version": 1, "payload": Evil()}, path, pickle_module=pickle)
+    result = run(train_cmd(tmp_path / "run", *QUICK, extra=("--resume", str(path))), timeout=120)
+    assert result.returncode == BAD_INPUT and "cannot be read" in result.stdout
+    assert not marker.exists()
+
+
+# ---- preemption and resume ------------------------------------------------------------------
+
+def test_sigterm_on_rank_1_checkpoints_then_resume_reaches_target(tmp_path):
+    run_dir = tmp_path / "run"
+    total = 64 * 2 * 40  # 40 iterations of 2 ranks x 2 envs x 32 steps
+    cmd = mpirun_cmd(2, *train_cmd(run_dir, *QUICK, f"ppo.total_timesteps={total}",
+                                   "debug.iteration_sleep=0.2", "checkpoint.every=100"))
+    proc = start(cmd)
+    wait_for_iterations(run_dir, 3, proc, timeout=120)
+    os.kill(rank_pid(str(run_dir), 1), signal.SIGTERM)
+    code, out = finish(proc, timeout=60)
+    assert code == PREEMPTED, out[-3000:]
+    assert "received SIGTERM" in out and "preempted at iteration" in out
+    marker = json.loads((run_dir / "preempted.json").read_text())
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert marker["iteration"] == rows[-1]["iteration"] < 40
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "latest.pt")
+    assert ckpt["iteration"] == marker["iteration"] and ckpt["global_step"] == marker["global_step"]
+    assert not (run_dir / "summary.json").exists()
+
+    out = check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, f"ppo.total_timesteps={total}",
+                                              extra=("--resume", "auto"))), timeout=180))
+    expected = run_dir / "checkpoints" / "ckpt_{:08d}.pt".format(ckpt["iteration"])
+    assert f"resuming from {expected}" in out
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == list(range(1, 41))  # no gap, no duplicate
+    assert _steps(rows) == [128 * i for i in range(1, 41)] and rows[-1]["global_step"] == total
+    assert json.loads((run_dir / "summary.json").read_text())["global_step"] == total
+    assert not (run_dir / "preempted.json").exists()
+
+
+def test_resume_two_ranks_onto_one_says_what_changed(tmp_path):
+    run_dir = tmp_path / "run"
+    check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=1024")), timeout=180))
+    out = check(run(train_cmd(run_dir, *QUICK, "ppo.total_timesteps=2048", extra=("--resume", "auto")),
+                    timeout=180))
+    assert "ranks 2 -> 1, envs per rank 2 -> 2, global batch 128 -> 64" in out
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["world_size"] for r in rows] == [2] * 8 + [1] * 16
+    assert rows[-1]["global_step"] == 2048
+    # The learning-rate schedule continues from the global step (lr0 * (1 - step / total)).
+    assert rows[8]["learning_rate"] == pytest.approx(rows[0]["learning_rate"] * (1 - 1024 / 2048))
+    seeds = read_jsonl(run_dir / "env_seeds.jsonl")
+    all_seeds = [s for build in seeds for rank in build["seeds_by_rank"] for s in rank]
+    assert len(seeds) == 2 and len(all_seeds) == len(set(all_seeds))  # the resumed envs got new seeds
+
+
+def test_resume_auto_skips_a_corrupted_newest_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    check(run(train_cmd(run_dir, *QUICK, "ppo.total_timesteps=640", "checkpoint.every=5"), timeout=120))
+    newest = run_dir / "checkpoints" / "ckpt_00000010.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+    newest.write_bytes(bytes(data))
+    out = check(run(train_cmd(run_dir, *QUICK, "ppo.total_timesteps=960", extra=("--resume", "auto")),
+                    timeout=120))
+    assert "skipping ckpt_00000010.pt" in out and "sha256 does not match" in out
+    assert "resuming from" in out and "ckpt_00000005.pt at iteration 5" in out
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == list(range(1, 16)) and rows[-1]["global_step"] == 960
+
+
+# ---- failing well ---------------------------------------------------------------------------
+
+def _assert_failed_cleanly(result, code, fragment, ranks=2):
+    assert result.returncode == code, result.stdout[-3000:]
+    assert fragment in result.stdout, result.stdout[-3000:]
+    assert "Traceback" not in result.stdout
+    if ranks == 2:  # every rank stopped with the same message (not killed while waiting)
+        assert "[rank 0] hvd-rl: error:" in result.stdout or "[rank 1] hvd-rl: error:" in result.stdout
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("ppo.num_minibatches=0", "ppo.num_minibatches must be positive"),
+    ("env.id=NoSuchGame-v9", "not a registered Gymnasium environment"),
+    ("distributed.compression=zip", "distributed.compression"),
+])
+def test_bad_config_fails_on_every_rank_without_touching_disk(tmp_path, override, fragment):
+    run_dir = tmp_path / "run"
+    start_time = time.time()
+    result = run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, override)), timeout=120)
+    _assert_failed_cleanly(result, BAD_INPUT, fragment)
+    assert result.stdout.count(fragment) == 2  # both ranks said it
+    assert not run_dir.exists()
+    assert time.time() - start_time < 60
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "other_env", "other_model"])
+def test_bad_checkpoint_is_refused_by_every_rank_and_run_dir_untouched(tmp_path, damage):
+    source = tmp_path / "source"
+    check(run(train_cmd(source, *QUICK, "ppo.total_timesteps=128"), timeout=120))
+    ckpt = tmp_path / "ckpt.pt"
+    shutil.copy(source / "checkpoints" / "ckpt_00000002.pt", ckpt)  # no manifest: the loader alone
+    sets = list(QUICK)
+    if damage == "truncated":
+        ckpt.write_bytes(ckpt.read_bytes()[:4000])
+        fragment = "cannot be read"
+    elif damage == "garbage":
+        ckpt.write_bytes(b"not a checkpoint at all" * 100)
+        fragment = "cannot be read"
+    elif damage == "other_env":
+        sets.append("env.id=Acrobot-v1")
+        fragment = "checkpoint was trained on 'CartPole-v1', this run uses 'Acrobot-v1'"
+    else:
+        sets.append("model.hidden_sizes=[32, 32]")
+        fragment = "checkpoint model does not match"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"iteration": 1, "global_step": 5}\n')
+    before = _snapshot(run_dir)
+    result = run(mpirun_cmd(2, *train_cmd(run_dir, *sets, extra=("--resume", str(ckpt)))), timeout=120)
+    _assert_failed_cleanly(result, BAD_INPUT, fragment)
+    assert _snapshot(run_dir) == before
+
+
+def test_fresh_start_refuses_to_overwrite_an_existing_run(tmp_path):
+    run_dir = tmp_path / "run"
+    check(run(train_cmd(run_dir, *QUICK, "ppo.total_timesteps=128"), timeout=120))
+    before = _snapshot(run_dir)
+    result = run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=128")), timeout=120)
+    _assert_failed_cleanly(result, BAD_INPUT, "already holds a run; pass --resume auto")
+    assert _snapshot(run_dir) == before
+
+
+def _make_unwritable(directory: Path):
+    """A directory nobody may write to, even root: read-only bind mount or immutable flag."""
+    directory.mkdir()
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        return lambda: directory.chmod(0o755)
+    if subprocess.run(["mount", "--bind", "-o", "ro", str(directory), str(directory)],
+                      capture_output=True).returncode == 0:
+        return lambda: subprocess.run(["umount", str(directory)], check=True)
+    if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode == 0:
+        return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)
+    pytest.skip("cannot make a directory unwritable for root here (no bind mount, no chattr)")
+
+
+def test_unwritable_run_directory_fails_on_every_rank(tmp_path):
+    parent = tmp_path / "locked"
+    restore = _make_unwritable(parent)
+    try:
+        result = run(mpirun_cmd(2, *train_cmd(parent / "run", *QUICK)), timeout=120)
+        _assert_failed_cleanly(result, BAD_INPUT, "cannot write to run directory")
+        assert not (parent / "run").exists()
+    finally:
+        restore()
+
+
+def test_nan_loss_stops_all_ranks_and_keeps_last_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=2560", "checkpoint.every=2",
+                                           "debug.nan_at_iteration=5", "debug.nan_rank=1")), timeout=180)
+    _assert_failed_cleanly(result, NONFINITE, "non-finite loss/gradient at iteration 5")
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("ckpt_*.pt"))
+    assert ckpts == ["ckpt_00000002.pt", "ckpt_00000004.pt"]
+    state = load_checkpoint(run_dir / "checkpoints" / "latest.pt", require_manifest=True)
+    assert state["iteration"] == 4
+    assert [r["iteration"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_killed_rank_ends_the_job_within_60_seconds(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=100000",
+                                          "debug.iteration_sleep=0.1")))
+    wait_for_iterations(run_dir, 2, proc, timeout=120)
+    killed_at = time.time()
+    os.kill(rank_pid(str(run_dir), 1), signal.SIGKILL)
+    code, out = finish(proc, timeout=60)
+    assert code != 0
+    assert time.time() - killed_at < 60
+
+
+# ---- elastic ----------------------------------------------------------------------------------
+
+def test_elastic_training_survives_a_killed_worker(tmp_path):
+    hosts = tmp_path / "discover.sh"
+    hosts.write_text("#!/bin/bash\necho localhost:1\necho 127.0.0.1:1\necho $(hostname):1\n")
+    hosts.chmod(0o755)
+    run_dir = tmp_path / "run"
+    total = 64 * 3 * 2 * 6  # divisible by the global batch of 3 ranks (192) and of 2 ranks (128)
+    cmd = [BIN / "horovodrun", "-np", "3", "--min-np", "2", "--max-np", "3",
+           "--host-discovery-script", hosts,
+           *train_cmd(run_dir, *QUICK, f"ppo.total_timesteps={total}", "distributed.threads_per_rank=1",
+                      "debug.iteration_sleep=0.3", "checkpoint.every=0", extra=("--elastic",))]
+    proc = start(cmd, env=launch_env({"HOROVOD_GLOO_TIMEOUT_SECONDS": "10"}))
+    wait_for_iterations(run_dir, 2, proc, timeout=180)
+    os.kill(rank_pid(str(run_dir), 2), signal.SIGKILL)
+    code, out = finish(proc, timeout=400)
+    assert code == 0, out[-4000:]
+    assert "elastic reset: now 2 rank(s)" in out
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert rows[0]["world_size"] == 3 and rows[-1]["world_size"] == 2
+    assert rows[-1]["global_step"] == total
+    for previous, current in zip(rows, rows[1:]):
+        one_iteration = previous["world_size"] * 64  # ranks x 2 envs x 32 steps
+        assert current["global_step"] >= previous["global_step"] - one_iteration
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == total and summary["world_size"] == 2
+    assert summary["parameters_identical"] and len(summary["parameter_digests"]) == 2
+    builds = read_jsonl(run_dir / "env_seeds.jsonl")
+    seeds = [s for b in builds for rank in b["seeds_by_rank"] for s in rank]
+    assert len(seeds) == len(set(seeds))  # rebuilt environments never reuse a seed
