@@ -41,6 +41,7 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.KEY=VALUE", help="config override passed to hvd-rl train; repeatable")
     parser.add_argument("--run-root", help="parent directory of the per-job run directories")
+    parser.add_argument("--home", help="project checkout on the cluster (default: this one)")
     parser.add_argument("--launcher", choices=["srun", "mpirun", "horovodrun"],
                         help="how ranks are started inside the allocation (default srun --mpi=pmix)")
     parser.add_argument("--ranks", help="sweep: space-separated rank counts, one array element each")
@@ -95,9 +96,11 @@ def render(template_text: str, sbatch: dict[str, str | None], settings: dict[str
             if key in pending:
                 lines[i] = f"#SBATCH --{key}={pending.pop(key)}"
             continue
-        m = re.match(r"^(\s*)([A-Z_]+)=(.*?)(\s+# hvd-rl:([a-z_]+).*)$", line)
-        if m and m.group(5) in settings:
-            lines[i] = f"{m.group(1)}{m.group(2)}={settings[m.group(5)]}{m.group(4)}"
+        m = re.match(r"^(\s*)([A-Z_]+)=(.*?)(\s+)(# hvd-rl:([a-z_]+).*)$", line)
+        if m and m.group(6) in settings:
+            assignment = f"{m.group(1)}{m.group(2)}={settings[m.group(6)]}"
+            column = len(line) - len(m.group(5))  # keep the tag comments aligned where possible
+            lines[i] = assignment + " " * max(1, column - len(assignment)) + m.group(5)
     extra = [f"#SBATCH --{k}={v}" for k, v in pending.items()]
     lines[last_sbatch + 1:last_sbatch + 1] = extra
     return "\n".join(lines) + "\n"
@@ -106,7 +109,8 @@ def render(template_text: str, sbatch: dict[str, str | None], settings: dict[str
 def render_from_args(args: argparse.Namespace) -> Path:
     _check(args)
     template = template_dir() / TEMPLATES[args.template]
-    settings: dict[str, str] = {}
+    # Rendered scripts name the checkpoint they were rendered from, so they run from anywhere.
+    settings: dict[str, str] = {"home": shlex.quote(str(Path(args.home or template_dir().parent).resolve()))}
     if args.config:
         settings["config"] = shlex.quote(args.config)
     if args.overrides:
@@ -117,18 +121,20 @@ def render_from_args(args: argparse.Namespace) -> Path:
         settings["launcher"] = args.launcher
     if args.ranks:
         settings["ranks"] = "(" + args.ranks + ")"
-    if args.sweep_nodes:
-        settings["sweep_nodes"] = "(" + args.sweep_nodes + ")"
+    if args.sweep_nodes or args.ranks:
+        settings["sweep_nodes"] = "(" + (args.sweep_nodes or " ".join("1" for _ in args.ranks.split())) + ")"
     if args.mode:
         settings["mode"] = args.mode
     if args.iterations:
         settings["iterations"] = str(args.iterations)
     sbatch = _sbatch_lines(args)
-    if args.template == "sweep":
-        count = len((args.ranks or "").split())
-        if count:
-            sbatch["array"] = f"0-{count - 1}"
-            sbatch["ntasks-per-node"] = sbatch["ntasks-per-node"] or str(max(int(r) for r in args.ranks.split()))
+    if args.template == "sweep" and args.ranks:
+        # Every array element gets the same allocation: size it for the largest point.
+        ranks = [int(r) for r in args.ranks.split()]
+        nodes = [int(n) for n in args.sweep_nodes.split()] if args.sweep_nodes else [1] * len(ranks)
+        sbatch["array"] = f"0-{len(ranks) - 1}"
+        sbatch["nodes"] = sbatch["nodes"] or str(max(nodes))
+        sbatch["ntasks-per-node"] = sbatch["ntasks-per-node"] or str(max(-(-r // n) for r, n in zip(ranks, nodes)))
     text = render(template.read_text(), sbatch, settings)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

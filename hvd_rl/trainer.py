@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import signal
+import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -372,6 +374,7 @@ class Trainer:
 
     def _finish(self, progress: Any) -> None:
         identical, digests = dist.parameters_agree(self.model, "final.verify")
+        hostnames = dist.allgather_object(socket.gethostname(), name="final.hostnames")
         if self._last_checkpoint_iteration != progress.iteration:
             self._checkpoint(progress)
         if dist.topology().rank == 0:
@@ -380,12 +383,21 @@ class Trainer:
                 "global_step": progress.global_step, "total_timesteps": self.cfg.ppo.total_timesteps,
                 "world_size": dist.world_size(), "parameters_identical": identical,
                 "parameter_digests": digests, "wall_seconds": time.time() - self._start_time,
+                "topology": self._topology(hostnames),
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
             self._logger().note(f"done: global step {progress.global_step}, parameters identical "
                                 f"on all ranks: {identical}")
         if not identical:
             raise RuntimeError(f"ranks ended with different parameters: {digests}")
+
+    def _topology(self, hostnames: list[str]) -> dict[str, Any]:
+        topo = dist.topology()
+        return {"ranks": topo.size, "nodes": topo.cross_size, "ranks_per_node": topo.local_size,
+                "threads_per_rank": self.threads, "device": str(self.device),
+                "cpus_per_node": os.cpu_count(), "hostnames": sorted(set(hostnames)),
+                "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                             "horovod": _horovod_version()}}
 
     def train(self) -> None:
         try:
@@ -427,6 +439,12 @@ class Trainer:
         if self.logger is not None:
             self.logger.close()
             self.logger = None
+
+
+def _horovod_version() -> str:
+    import horovod
+
+    return horovod.__version__
 
 
 def _single_env_cfg(cfg: TrainConfig):

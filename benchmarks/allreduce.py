@@ -1,0 +1,139 @@
+"""Horovod allreduce latency and bandwidth, 4 KiB to 256 MiB, fp32 and fp16 compression.
+
+    python benchmarks/allreduce.py --np 2 --out results/allreduce.json
+
+Bandwidth follows the convention of the standard collective benchmarks (nccl-tests, OSU): for a
+message of S bytes taking t seconds, algorithmic bandwidth algbw = S / t and bus bandwidth
+busbw = algbw * 2 (n - 1) / n, which for a ring allreduce is what each link carries and so
+compares across rank counts. S is always the fp32 payload, also with fp16 compression (which
+halves the bytes on the wire), so the two modes compare directly. Also measured: the real
+gradient of the Nature CNN, reduced the way hvd.DistributedOptimizer does (one named allreduce
+per parameter, fused by Horovod). The fusion threshold and cycle time in effect are recorded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import horovod.torch as hvd  # noqa: E402
+
+LAUNCHED_VARS = ("OMPI_COMM_WORLD_SIZE", "HOROVOD_RANK", "PMIX_RANK", "PMI_RANK")
+DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024  # Horovod 0.28 defaults (horovod/common/operations.cc)
+DEFAULT_CYCLE_TIME_MS = 1.0
+
+
+def timed(fn, reps: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        hvd.allreduce(torch.zeros(1), name="bench.barrier")  # start together
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    # The slowest rank defines the collective's time.
+    return hvd.allreduce(torch.tensor(times, dtype=torch.float64), op=hvd.Max, name="bench.times").tolist()
+
+
+def bandwidths(size_bytes: int, seconds: float, ranks: int) -> tuple[float, float]:
+    algbw = size_bytes / seconds
+    return algbw, algbw * (2 * (ranks - 1) / ranks if ranks > 1 else 1.0)
+
+
+def nature_cnn_gradients() -> list[tuple[str, torch.Tensor]]:
+    import gymnasium as gym
+
+    from hvd_rl.config import ModelConfig
+    from hvd_rl.models import build_model
+
+    model = build_model(ModelConfig(kind="nature_cnn"), gym.spaces.Box(0, 255, (4, 84, 84), np.uint8),
+                        gym.spaces.Discrete(18))
+    return [(name, torch.randn_like(p)) for name, p in model.named_parameters()]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--np", type=int, default=2, help="ranks (the script starts mpirun itself)")
+    parser.add_argument("--min-size", type=int, default=4 * 1024)
+    parser.add_argument("--max-size", type=int, default=256 * 1024 * 1024)
+    parser.add_argument("--reps", type=int, default=10, help="timed repetitions (fewer for large sizes)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    if not any(v in os.environ for v in LAUNCHED_VARS) and args.np > 1:
+        env = dict(os.environ)
+        if os.geteuid() == 0:
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        return subprocess.call([shutil.which("mpirun") or "mpirun", "-np", str(args.np), "--oversubscribe",
+                                "--bind-to", "none", sys.executable, *sys.argv], env=env)
+
+    hvd.init()
+    torch.set_num_threads(1)
+    ranks = hvd.size()
+    for i in range(20):  # first collectives pay for Horovod's setup and response-cache warm-up
+        hvd.allreduce(torch.ones(1024), name="bench.warmup")
+    rows = []
+    size = args.min_size
+    while size <= args.max_size:
+        count = size // 4
+        tensor = torch.ones(count, dtype=torch.float32)
+        reps = max(3, min(args.reps, int(args.reps * (8 * 1024 * 1024) / size) or 3))
+        for compression_name, compression in (("fp32", hvd.Compression.none), ("fp16", hvd.Compression.fp16)):
+            def op(t=tensor, c=compression, n=f"bench.{size}.{compression_name}"):
+                return hvd.allreduce(t, op=hvd.Sum, name=n, compression=c)
+
+            times = timed(op, reps, warmup=2)
+            median = float(np.median(times))
+            algbw, busbw = bandwidths(size, median, ranks)
+            rows.append({"bytes": size, "compression": compression_name, "reps": reps,
+                         "latency_s": median, "min_latency_s": float(min(times)),
+                         "algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9})
+            if hvd.rank() == 0:
+                print(f"{size:>11d} B  {compression_name}  {median * 1e6:10.1f} us  "
+                      f"algbw {algbw / 1e9:7.3f} GB/s  busbw {busbw / 1e9:7.3f} GB/s", flush=True)
+        size *= 4
+
+    grads = nature_cnn_gradients()
+    grad_bytes = sum(g.numel() * 4 for _, g in grads)
+
+    def reduce_gradients():
+        handles = [hvd.allreduce_async(g, name=f"grad.{n}", op=hvd.Average) for n, g in grads]
+        for h in handles:
+            hvd.synchronize(h)
+
+    times = timed(reduce_gradients, args.reps, warmup=3)
+    median = float(np.median(times))
+    algbw, busbw = bandwidths(grad_bytes, median, ranks)
+    gradient = {"model": "nature_cnn (18 actions)", "tensors": len(grads), "bytes": grad_bytes,
+                "latency_s": median, "algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9}
+    if hvd.rank() != 0:
+        return 0
+    print(f"Nature CNN gradient: {len(grads)} tensors, {grad_bytes / 2**20:.2f} MiB, "
+          f"{median * 1e3:.2f} ms, busbw {busbw / 1e9:.3f} GB/s")
+    result = {
+        "kind": "hvd_rl.allreduce_benchmark", "ranks": ranks, "nodes": hvd.cross_size(),
+        "controller": "mpi" if hvd.mpi_enabled() else "gloo", "rows": rows, "gradient": gradient,
+        "fusion_threshold_bytes": int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)),
+        "cycle_time_ms": float(os.environ.get("HOROVOD_CYCLE_TIME", DEFAULT_CYCLE_TIME_MS)),
+        "busbw_factor": "2(n-1)/n", "machine": {"hostname": platform.node(), "cpus": os.cpu_count(),
+                                                "torch": torch.__version__},
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+# Shared by the hvd_rl SLURM templates (sourced from the batch script). Not meant to be edited:
+# site settings go in slurm/site_env.sh, job settings in the template or `hvd-rl slurm render`.
+
+# Exit code of `hvd-rl train` when it checkpointed after a preemption signal (see README).
+HVD_RL_PREEMPTED=75
+
+hvd_rl_prepare() {
+  # shellcheck disable=SC1091
+  source "$HVD_RL_HOME/slurm/site_env.sh"
+  cd "$HVD_RL_HOME"
+  # One compute thread per allocated CPU of the task. Since SLURM 22.05 srun does not inherit
+  # --cpus-per-task from the allocation, so pass it on explicitly.
+  export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"
+  export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"
+  if [ "$(id -u)" = 0 ]; then  # containers and test clusters run jobs as root
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  fi
+  echo "[hvd_rl] job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}:" \
+       "${SLURM_NTASKS} task(s), ${SLURM_CPUS_PER_TASK:-1} cpu(s)/task, launcher ${LAUNCHER}"
+}
+
+hvd_rl_launch() {
+  # Replaces the calling (background) subshell with the launcher, so that a signal sent to
+  # "$!" reaches srun/mpirun/horovodrun itself; the arguments are those of `hvd-rl`.
+  case "$LAUNCHER" in
+    srun)
+      exec srun --mpi=pmix --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
+           ${HVD_RL_SRUN_ARGS:-} hvd-rl "$@" ;;
+    mpirun)
+      # Open MPI reads the SLURM allocation itself (one slot per task); the trainer sizes its
+      # threads from SLURM_CPUS_PER_TASK, so no binding is imposed here.
+      exec mpirun -np "${HVD_RL_NP:-$SLURM_NTASKS}" --bind-to none -x PATH -x LD_LIBRARY_PATH -x OMP_NUM_THREADS \
+             -x SLURM_CPUS_PER_TASK ${HVD_RL_MPIRUN_ARGS:-} hvd-rl "$@" ;;
+    horovodrun)
+      # Gloo over ssh between nodes (horovodrun --gloo); slots per node from the allocation.
+      local hosts
+      hosts="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/\$/:${SLURM_TASKS_PER_NODE%%(*}/" | paste -sd,)"
+      exec horovodrun --gloo -np "${HVD_RL_NP:-$SLURM_NTASKS}" -H "$hosts" ${HVD_RL_HOROVODRUN_ARGS:-} hvd-rl "$@" ;;
+    *)
+      echo "[hvd_rl] unknown LAUNCHER '$LAUNCHER' (srun, mpirun or horovodrun)" >&2; return 2 ;;
+  esac
+}
+
+hvd_rl_train_requeueable() {
+  # Runs `hvd-rl train "$@" --resume auto` and requeues the job when it was preempted.
+  # SLURM signals only this shell (--signal=B:USR1@N); the trap forwards it to the launcher,
+  # which passes it to every rank. The ranks agree to checkpoint at the end of the iteration and
+  # exit 75; then the job requeues itself and the next run resumes from that checkpoint.
+  local run_dir="$1"; shift
+  local child rc
+  # A marker left by an earlier run is stale now; only this run's preemption may requeue.
+  rm -f "$run_dir/preempted.json"
+  trap 'echo "[hvd_rl] USR1: asking the ranks to checkpoint"; kill -USR1 "$child" 2>/dev/null' USR1
+  trap 'echo "[hvd_rl] TERM: the ranks checkpoint (SLURM signals them directly)"' TERM
+  hvd_rl_launch train --run-dir "$run_dir" --resume auto "$@" &
+  child=$!
+  while true; do
+    wait "$child"
+    rc=$?
+    kill -0 "$child" 2>/dev/null || break  # wait was interrupted by a trapped signal
+  done
+  trap - USR1 TERM
+  if [ "$rc" -eq "$HVD_RL_PREEMPTED" ] || [ -f "$run_dir/preempted.json" ]; then
+    echo "[hvd_rl] preempted and checkpointed: requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+    return 0
+  fi
+  echo "[hvd_rl] training exited with $rc"
+  return "$rc"
+}
