@@ -41,11 +41,11 @@ def envs_per_rank(mode: str, ranks: int, base_envs: int, global_envs: int) -> in
 
 
 def point_overrides(mode: str, ranks: int, base_envs: int, global_envs: int, num_steps: int,
-                    warmup: int, iterations: int) -> list[str]:
+                    warmup: int, iterations: int, threads: int) -> list[str]:
     envs = envs_per_rank(mode, ranks, base_envs, global_envs)
     total = (warmup + iterations) * ranks * envs * num_steps
     return [f"env.num_envs={envs}", f"ppo.total_timesteps={total}", "checkpoint.every=0",
-            "logging.tensorboard=false"]
+            "logging.tensorboard=false", f"distributed.threads_per_rank={threads}"]
 
 
 def _num_steps(config: str, overrides: list[str]) -> int:
@@ -105,6 +105,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     nodes = [1] * len(args.ranks)
     write_plan(out, args.modes, args.ranks, nodes, {
         "config": args.config, "overrides": args.set, "envs_per_rank": base, "global_envs": global_envs,
+        "threads_per_rank": args.threads_per_rank,
         "warmup": args.warmup, "iterations": args.iterations, "launcher": args.launcher,
         "machine": {"hostname": os.uname().nodename, "cpus": cpus}})
     env = dict(os.environ)
@@ -118,10 +119,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             if run_dir.exists():
                 shutil.rmtree(run_dir)
             try:
-                sets = point_overrides(mode, ranks, base, global_envs, num_steps, args.warmup, args.iterations)
+                sets = point_overrides(mode, ranks, base, global_envs, num_steps, args.warmup, args.iterations,
+                                       args.threads_per_rank)
             except ValueError as exc:
                 print(f"[sweep] {name}: skipped: {exc}", flush=True)
-                record_point(run_dir, mode, ranks, 1, f"invalid: {exc}", args.warmup, ranks > cpus, args.launcher)
+                record_point(run_dir, mode, ranks, 1, f"invalid: {exc}", args.warmup, ranks * max(1, args.threads_per_rank) > cpus, args.launcher)
                 continue
             hvd_args = ["train", "--config", args.config, "--run-dir", str(run_dir)]
             for s in [*args.set, *sets, "logging.console=false"]:
@@ -137,7 +139,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 status = f"failed (timeout {args.timeout}s)"
             failures += status != "ok"
-            record_point(run_dir, mode, ranks, 1, status, args.warmup, ranks > cpus, args.launcher,
+            if not args.keep_checkpoints:  # benchmark runs: the final model is not worth megabytes
+                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+            record_point(run_dir, mode, ranks, 1, status, args.warmup,
+                         ranks * max(1, args.threads_per_rank) > cpus, args.launcher,
                          time.time() - start)
             print(f"[sweep] {name}: {status} in {time.time() - start:.0f}s", flush=True)
     return 1 if failures and args.strict else 0
@@ -149,7 +154,7 @@ def cmd_point_args(args: argparse.Namespace) -> int:
     all_ranks = [int(r) for r in args.all_ranks.split()] if args.all_ranks else [args.ranks]
     global_envs = args.global_envs or base * max(all_ranks)
     sets = point_overrides(args.mode, args.ranks, base, global_envs, _num_steps(args.config, args.set),
-                           args.warmup, args.iterations)
+                           args.warmup, args.iterations, args.threads_per_rank)
     print(" ".join(f"--set {s}" for s in sets))
     return 0
 
@@ -179,6 +184,9 @@ def main() -> int:
         p.add_argument("--global-envs", type=int, default=0, help="strong scaling global envs")
         p.add_argument("--warmup", type=int, default=2, help="warm-up iterations per point (not measured)")
         p.add_argument("--iterations", type=int, default=5, help="measured iterations per point")
+        p.add_argument("--threads-per-rank", type=int, default=1,
+                       help="compute threads of every rank at every point (fixed, so that N ranks use N "
+                            "times the resources of 1; 0 = the trainer's automatic choice)")
 
     sweep = sub.add_parser("sweep", help="run a local sweep with mpirun/horovodrun")
     common(sweep)
@@ -188,6 +196,7 @@ def main() -> int:
     sweep.add_argument("--launcher", choices=["mpirun", "horovodrun", "srun"], default="mpirun")
     sweep.add_argument("--timeout", type=float, default=1800, help="seconds per point")
     sweep.add_argument("--strict", action="store_true", help="exit 1 if any point failed")
+    sweep.add_argument("--keep-checkpoints", action="store_true", help="keep each point's final checkpoint")
     sweep.set_defaults(func=cmd_sweep)
 
     point = sub.add_parser("point-args", help="print the --set arguments of one point")

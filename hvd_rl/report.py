@@ -333,7 +333,8 @@ def write_report(paths: list[str], out_dir: str, title: str = "hvd_rl scaling st
         lines.append(f"- sweep `{sweep['path']}`: config `{sweep.get('config')}`, launcher "
                      f"{sweep.get('launcher')}, {sweep.get('warmup')} warm-up + {sweep.get('iterations')} "
                      f"measured iterations per point, envs/rank (weak) {sweep.get('envs_per_rank')}, "
-                     f"global envs (strong) {sweep.get('global_envs')}")
+                     f"global envs (strong) {sweep.get('global_envs')}, threads/rank "
+                     f"{sweep.get('threads_per_rank', '?')}")
     lines.append("")
 
     if points:

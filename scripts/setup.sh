@@ -78,7 +78,8 @@ fi
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
   log "installing $TORCH_REQ"
-  pip_install "$TORCH_REQ" numpy
+  read -r -a TORCH_ARGS <<< "$TORCH_REQ"  # may carry pip options, e.g. --index-url for CUDA builds
+  pip_install "${TORCH_ARGS[@]}" numpy
 fi
 pip_install setuptools wheel packaging psutil pyyaml cloudpickle cffi
 command -v cmake >/dev/null || pip_install "cmake>=3.13,<4"

@@ -30,19 +30,12 @@ def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
+def run(cmd: list, timeout: float, env: dict[str, str] | None = None,
         cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Runs a command in its own process group; on timeout kills the whole group and fails."""
-    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env or launch_env(), cwd=cwd or REPO,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{out[-4000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+    proc = start(cmd, env=env, cwd=cwd)
+    code, out = finish(proc, timeout)
+    return subprocess.CompletedProcess(proc.args, code, out, "")
 
 
 def mpirun_cmd(np: int, *args) -> list[str]:
@@ -70,10 +63,10 @@ def check(result: subprocess.CompletedProcess, code: int = 0) -> str:
     return result.stdout
 
 
-def start(cmd: list, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Starts a launcher in its own process group (for tests that signal or kill ranks)."""
+def start(cmd: list, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
+    """Starts a command in its own process group (so a timeout can kill every rank)."""
     return subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env or launch_env(), cwd=REPO, start_new_session=True)
+                            text=True, env=env or launch_env(), cwd=cwd or REPO, start_new_session=True)
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
@@ -82,7 +75,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s:\n{out[-4000:]}")
+        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, proc.args))}\n{out[-4000:]}")
     return proc.returncode, out
 
 
