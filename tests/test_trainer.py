@@ -41,9 +41,11 @@ def test_two_ranks_mpirun_parameters_identical_and_seeds_unique(tmp_path):
     assert "[hvd_rl] it    10" in out  # console progress line
 
 
-def test_horovodrun_gloo_launch(tmp_path):
+@pytest.mark.parametrize("gloo", [True, False], ids=["gloo", "mpi"])
+def test_horovodrun_launch(tmp_path, gloo):
     run_dir = tmp_path / "run"
-    check(run(horovodrun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=512")), timeout=180))
+    check(run(horovodrun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=512"), gloo=gloo),
+              timeout=180))
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["world_size"] for r in rows] == [2, 2, 2, 2]
     assert json.loads((run_dir / "summary.json").read_text())["parameters_identical"]
@@ -88,13 +90,15 @@ def test_cartpole_two_ranks_learns(tmp_path):
     assert best >= 475, f"best 10-episode mean return {best}"
 
 
-@pytest.mark.parametrize("backend", ["ale_vector"])
-def test_atari_breakout_two_ranks_two_iterations(tmp_path, backend):
+@pytest.mark.parametrize("backend, envs", [("ale_vector", 8), ("async", 4)])
+def test_atari_breakout_two_ranks_two_iterations(tmp_path, backend, envs):
+    """The C++ AtariVectorEnv, and Gymnasium's AsyncVectorEnv with the Atari wrappers."""
     run_dir = tmp_path / "run"
-    check(run(mpirun_cmd(2, *train_cmd(run_dir, f"env.backend={backend}", "ppo.total_timesteps=4096",
-                                        config=ATARI)), timeout=300))
+    batch = 2 * envs * 128
+    check(run(mpirun_cmd(2, *train_cmd(run_dir, f"env.backend={backend}", f"env.num_envs={envs}",
+                                        f"ppo.total_timesteps={2 * batch}", config=ATARI)), timeout=300))
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert len(rows) == 2
-    _well_formed(rows, 2, 2048)
+    _well_formed(rows, 2, batch)
     assert sum(r["episodes"] for r in rows) > 0
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
