@@ -126,12 +126,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(cfg.to_toml(), end="")
         return 0
     from hvd_rl.checkpoint import CheckpointError
-    from hvd_rl.distributed import CollectiveError
+    from hvd_rl.distributed import CollectiveError, LaunchError
 
     try:
         trainer = T.Trainer(cfg, resume=args.resume)
         trainer.train_elastic() if args.elastic else trainer.train()
-    except (CollectiveError, CheckpointError, ConfigError) as exc:
+    except (CollectiveError, CheckpointError, ConfigError, LaunchError) as exc:
         return error_exit(str(exc), T.EXIT_BAD_INPUT)
     except T.NonFiniteLossError as exc:
         return error_exit(str(exc), T.EXIT_NONFINITE)

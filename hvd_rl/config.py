@@ -306,6 +306,12 @@ def validate(cfg: TrainConfig) -> None:
     need(d.device in ("auto", "cpu", "cuda"),
          f"distributed.device must be 'auto', 'cpu' or 'cuda', got {d.device!r}")
     need(d.amp in ("off", "bf16", "fp16"), f"distributed.amp must be 'off', 'bf16' or 'fp16', got {d.amp!r}")
+    if d.reduction == "adasum":
+        # Horovod's Adasum optimizer steps on each rank's gradient inside the backward hooks.
+        need(p.max_grad_norm == 0, "distributed.reduction = 'adasum' cannot clip gradients (each rank "
+             "steps inside Horovod's backward hooks): set ppo.max_grad_norm = 0")
+        need(d.amp != "fp16", "distributed.reduction = 'adasum' does not work with distributed.amp = "
+             "'fp16' (loss scaling); use 'bf16' or 'off'")
     need(d.threads_per_rank >= 0, f"distributed.threads_per_rank must be >= 0, got {d.threads_per_rank}")
     need(d.verify_every >= 0, f"distributed.verify_every must be >= 0, got {d.verify_every}")
     need(d.elastic_min_np >= 1, f"distributed.elastic_min_np must be >= 1, got {d.elastic_min_np}")

@@ -19,6 +19,10 @@ import torch
 import horovod.torch as hvd
 
 
+class LaunchError(RuntimeError):
+    """The processes were started in a way that cannot work (wrong launcher flags, no GPU...)."""
+
+
 @dataclass(frozen=True)
 class Topology:
     rank: int  # global rank: identity, seeds, who writes files
@@ -32,9 +36,40 @@ class Topology:
         return self.rank == 0
 
 
+PEER_DISCOVERY_VARS = ("PMIX_RANK", "PMI_RANK", "PMI_FD", "OMPI_COMM_WORLD_RANK", "HOROVOD_RANK")
+
+
 def init() -> Topology:
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if tasks.isdigit() and int(tasks) > 1 and not any(v in os.environ for v in PEER_DISCOVERY_VARS):
+        # srun without an MPI plugin: MPI could not find the other tasks (Open MPI aborts with a
+        # misleading message, other MPIs start N lone rank-0 worlds that clobber each other's files).
+        raise LaunchError(f"srun started {tasks} tasks without an MPI plugin, so the ranks cannot "
+                          "find each other: launch with srun --mpi=pmix (or --mpi=pmi2)")
     hvd.init()
-    return topology()
+    topo = topology()
+    check_launch(topo)
+    return topo
+
+
+def check_launch(topo: Topology) -> None:
+    """Catches launches where every process thinks it is alone (and would clobber rank 0's files)."""
+    for var, launcher in (("SLURM_STEP_NUM_TASKS", "srun --mpi=pmix (or pmi2)"),
+                          ("OMPI_COMM_WORLD_SIZE", "mpirun"), ("HOROVOD_SIZE", "horovodrun")):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 1 and topo.size == 1:
+            raise LaunchError(f"{var}={value} processes were started but Horovod sees a 1-rank world: "
+                              f"launch with {launcher} so that the ranks find each other")
+
+
+def check_adasum(topo: Topology) -> None:
+    """Horovod's CPU Adasum needs the MPI controller and a power-of-2 number of ranks."""
+    if not hvd.mpi_enabled():
+        raise LaunchError("distributed.reduction = 'adasum' needs the MPI controller (mpirun, srun "
+                          "--mpi=pmix, or horovodrun --mpi), not Gloo")
+    if topo.size & (topo.size - 1):
+        raise LaunchError(f"distributed.reduction = 'adasum' needs a power-of-2 number of ranks, "
+                          f"got {topo.size}")
 
 
 def world_size() -> int:
@@ -88,7 +123,7 @@ def select_device(topo: Topology, requested: str = "auto") -> torch.device:
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError("distributed.device = 'cuda' but no CUDA device is visible to this rank")
+        raise LaunchError("distributed.device = 'cuda' but no CUDA device is visible to this rank")
     count = torch.cuda.device_count()
     index = topo.local_rank % count
     torch.cuda.set_device(index)

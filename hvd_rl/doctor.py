@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ALLREDUCE_SNIPPET = (
-    "import json, torch, horovod.torch as hvd; hvd.init(); "
+    "import json, sys, torch, horovod.torch as hvd; hvd.init(); "
     "s = hvd.allreduce(torch.ones(4) * (hvd.rank() + 1), op=hvd.Sum, name='doctor'); "
-    "print('HVD_RL_DOCTOR ' + json.dumps({'rank': hvd.rank(), 'size': hvd.size(), 'sum': s.tolist()}), flush=True)"
+    "sys.stdout.write('HVD_RL_DOCTOR ' + json.dumps({'rank': hvd.rank(), 'size': hvd.size(), 'sum': s.tolist()}) + chr(10)); sys.stdout.flush()"
 )
 
 
@@ -56,9 +56,12 @@ def _allreduce_check(report: Report, label: str, cmd: list[str], num_ranks: int,
         report.problem(f"{label}: cannot start {cmd[0]}: {exc}")
         return
     results = []
-    for line in proc.stdout.splitlines():
-        if "HVD_RL_DOCTOR " in line:
-            results.append(json.loads(line.split("HVD_RL_DOCTOR ", 1)[1]))
+    decoder = json.JSONDecoder()
+    for chunk in proc.stdout.split("HVD_RL_DOCTOR ")[1:]:  # robust to interleaved rank output
+        try:
+            results.append(decoder.raw_decode(chunk.lstrip())[0])
+        except ValueError:
+            continue
     ok = (proc.returncode == 0 and len(results) == num_ranks
           and all(r["size"] == num_ranks and r["sum"] == expected for r in results))
     report.info(label, f"ok ({num_ranks} ranks, sum {expected[0]:g})" if ok else "FAILED")

@@ -163,9 +163,12 @@ class PPOLearner:
     """Runs the update epochs for one rollout; identical control flow on every rank."""
 
     def __init__(self, model: nn.Module, optimizer, cfg: PPOConfig, seed: int,
-                 amp: str = "off", device: torch.device = torch.device("cpu")):
+                 amp: str = "off", device: torch.device = torch.device("cpu"), adasum: bool = False):
         self.model = model
         self.optimizer = optimizer  # an hvd.DistributedOptimizer
+        # Adasum's optimizer is a "delta" optimizer: each rank steps on its own gradient inside
+        # the backward hooks and Horovod combines the parameter deltas in step().
+        self.adasum = adasum
         self.cfg = cfg
         self.seed = seed
         self.device = device
@@ -217,6 +220,16 @@ class PPOLearner:
                     with torch.no_grad():
                         sums += torch.stack([terms.policy, terms.value, terms.entropy, terms.approx_kl,
                                              terms.old_approx_kl, terms.clipfrac]).double() / micro
+                if self.adasum:
+                    t0 = time.perf_counter()
+                    self.optimizer.step()
+                    t_allreduce += time.perf_counter() - t0
+                    # The combined parameters are identical on every rank, so is this decision.
+                    if not all(torch.isfinite(p).all() for p in params):
+                        raise NonFiniteLossError(
+                            f"non-finite loss/gradient at iteration {iteration} (epoch {epoch}, "
+                            f"minibatch {mb_index}); stopping all ranks")
+                    continue
                 t0 = time.perf_counter()
                 self.optimizer.synchronize()  # wait for the averaged gradients
                 t_allreduce += time.perf_counter() - t0

@@ -45,15 +45,18 @@ class RolloutBuffer:
         self.truncated = torch.zeros(shape, device=device)
         self.bootstrap_values = torch.zeros(shape, device=device)
 
-    def to_batch(self, last_value: torch.Tensor, gamma: float, gae_lambda: float) -> Batch:
-        advantages, returns = compute_gae(self.rewards, self.values, self.terminated,
-                                          self.truncated, self.bootstrap_values, last_value,
+    def to_batch(self, last_value: torch.Tensor, gamma: float, gae_lambda: float,
+                 num_steps: int | None = None) -> Batch:
+        """GAE over the first `num_steps` steps (all by default), flattened to t * E + e order."""
+        T = num_steps or self.num_steps
+        advantages, returns = compute_gae(self.rewards[:T], self.values[:T], self.terminated[:T],
+                                          self.truncated[:T], self.bootstrap_values[:T], last_value,
                                           gamma, gae_lambda)
-        flat = self.num_steps * self.num_envs
+        flat = T * self.num_envs
         return Batch(
-            obs=self.obs.reshape((flat,) + tuple(self.obs.shape[2:])),
-            actions=self.actions.reshape(flat), logprobs=self.logprobs.reshape(flat),
-            values=self.values.reshape(flat), advantages=advantages.reshape(flat),
+            obs=self.obs[:T].reshape((flat,) + tuple(self.obs.shape[2:])),
+            actions=self.actions[:T].reshape(flat), logprobs=self.logprobs[:T].reshape(flat),
+            values=self.values[:T].reshape(flat), advantages=advantages.reshape(flat),
             returns=returns.reshape(flat))
 
 
@@ -73,12 +76,13 @@ class RolloutCollector:
         self.on_cpu = device.type == "cpu"
 
     @torch.no_grad()
-    def collect(self) -> tuple[torch.Tensor, RolloutTimes, Episodes]:
-        """Fills the buffer with num_steps transitions; returns V(last obs), times, episodes."""
+    def collect(self, num_steps: int | None = None) -> tuple[torch.Tensor, RolloutTimes, Episodes]:
+        """Fills the buffer's first `num_steps` steps (all by default); returns V(last obs),
+        times and the episodes that finished."""
         buf, model, envs = self.buffer, self.model, self.envs
         times, episodes = RolloutTimes(), Episodes()
         clock = time.perf_counter
-        for step in range(buf.num_steps):
+        for step in range(num_steps or buf.num_steps):
             t0 = clock()
             obs = buf.obs[step]
             obs.copy_(torch.from_numpy(self.next_obs), non_blocking=True)

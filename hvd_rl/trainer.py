@@ -8,6 +8,7 @@ loop at the same iteration boundary, and none is left waiting in a collective.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import signal
@@ -86,6 +87,8 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.topo = dist.init()
+        if cfg.distributed.reduction == "adasum":
+            dist.check_adasum(self.topo)
         self.threads = dist.configure_threads(self.topo, cfg.distributed.threads_per_rank)
         self.device = dist.select_device(self.topo, cfg.distributed.device)
         self.preemption = PreemptionFlag()
@@ -124,7 +127,8 @@ class Trainer:
             compression=cfg.distributed.compression,
             backward_passes_per_step=cfg.ppo.backward_passes_per_step)
         self.learner = PPOLearner(self.model, self.optimizer, cfg.ppo, cfg.seed,
-                                  amp=cfg.distributed.amp, device=self.device)
+                                  amp=cfg.distributed.amp, device=self.device,
+                                  adasum=cfg.distributed.reduction == "adasum")
 
         error = None
         if ckpt is not None:
@@ -242,13 +246,15 @@ class Trainer:
 
     # ---- one iteration ----------------------------------------------------------------------
 
-    def _iteration(self, progress: Any) -> tuple[dict[str, Any], bool]:
+    def _iteration(self, progress: Any, num_steps: int | None = None) -> tuple[dict[str, Any], bool]:
         """Runs one PPO iteration on every rank; returns its metrics and whether all ranks agreed
-        to preempt (a signal arrived on any rank)."""
+        to preempt (a signal arrived on any rank). `num_steps` shortens the rollout (the last
+        iteration, so that the run ends exactly at total_timesteps)."""
         cfg, ppo = self.cfg, self.cfg.ppo
         topo = dist.topology()
         num_envs = cfg.env.num_envs
-        global_batch = cfg.global_batch_size(topo.size)
+        num_steps = num_steps or ppo.num_steps
+        global_batch = topo.size * num_envs * num_steps
         iteration = progress.iteration + 1
         t_start = time.perf_counter()
 
@@ -258,12 +264,12 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-        last_value, rollout_times, episodes = self.collector.collect()
-        batch = self.buffer.to_batch(last_value, ppo.gamma, ppo.gae_lambda)
+        last_value, rollout_times, episodes = self.collector.collect(num_steps)
+        batch = self.buffer.to_batch(last_value, ppo.gamma, ppo.gae_lambda, num_steps)
         inject = cfg.debug.nan_at_iteration == iteration and cfg.debug.nan_rank == topo.rank
         self.learner.loss_hook = (lambda loss: loss * float("nan")) if inject else None
         stats = self.learner.update(batch, iteration, topo.rank * num_envs, num_envs,
-                                    topo.size * num_envs, ppo.num_steps)
+                                    topo.size * num_envs, num_steps)
 
         returns, values = batch.returns.double(), batch.values.double()
         residual = returns - values
@@ -292,7 +298,7 @@ class Trainer:
         var_res = sums[12] / count - (sums[11] / count) ** 2
         record = {
             "iteration": iteration, "global_step": progress.global_step, "world_size": n,
-            "sps": global_batch / wall, "sps_per_rank": cfg.local_batch_size / wall,
+            "sps": global_batch / wall, "sps_per_rank": global_batch / n / wall,
             "episodic_return_mean": float(all_episodes[:, 0].mean()) if len(all_episodes) else None,
             "episodic_length_mean": float(all_episodes[:, 1].mean()) if len(all_episodes) else None,
             "episodes": int(len(all_episodes)),
@@ -353,12 +359,24 @@ class Trainer:
 
     # ---- loops ------------------------------------------------------------------------------
 
+    def _rollout_length(self, progress: Any) -> int:
+        """Steps per env for the next iteration: num_steps, or fewer for the last one, so that the
+        run ends exactly at total_timesteps (when the remainder splits into whole minibatches),
+        also after a resume or an elastic resize changed the global batch. 0: nothing fits."""
+        ppo, num_envs = self.cfg.ppo, self.cfg.env.num_envs
+        remaining = ppo.total_timesteps - progress.global_step
+        steps = min(ppo.num_steps, remaining // (dist.world_size() * num_envs))
+        # Whole minibatches, each splitting evenly into backward_passes_per_step micro-batches.
+        granule = ppo.num_minibatches * (ppo.backward_passes_per_step
+                                         // math.gcd(num_envs, ppo.backward_passes_per_step))
+        return steps - steps % granule
+
     def _run(self, progress: Any, commit: Callable[[], None]) -> None:
         cfg = self.cfg
-        while progress.global_step + cfg.global_batch_size(dist.world_size()) <= cfg.ppo.total_timesteps:
+        while (num_steps := self._rollout_length(progress)) > 0:
             if self._ensure_envs(progress):
                 commit()  # elastic: the new seed offset survives a reset
-            _, preempt = self._iteration(progress)
+            _, preempt = self._iteration(progress, num_steps)
             commit()
             every = cfg.checkpoint.every
             if preempt or (every and progress.iteration % every == 0):

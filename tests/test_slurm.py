@@ -168,3 +168,14 @@ def test_sweep_job_array_one_and_two_ranks(slurm_env, tmp_path):
     check(run([BIN / "hvd-rl", "report", sweep, "--out", out], timeout=120))
     report = (out / "report.md").read_text()
     assert "| weak | 1 |" in report and "| weak | 2 |" in report and (out / "scaling.png").exists()
+
+
+def test_srun_without_mpi_plugin_is_refused_on_every_task(slurm_env, tmp_path):
+    """Without --mpi=pmix each task would be a lone rank 0 writing the same run directory."""
+    run_dir = tmp_path / "run"
+    result = run(["srun", "--mpi=none", "-n", "2", BIN / "hvd-rl", "train", "--config", REPO / "configs" / "cartpole_ppo.toml",
+                  "--run-dir", run_dir], timeout=180, env=slurm_env)
+    assert result.returncode == 2, result.stdout
+    assert result.stdout.count("srun started 2 tasks without an MPI plugin") == 2
+    assert "launch with srun --mpi=pmix" in result.stdout
+    assert not run_dir.exists()

@@ -63,6 +63,35 @@ def test_single_process_without_launcher_and_evaluate(tmp_path):
     assert summary["global_step"] == 640
 
 
+@pytest.mark.parametrize("options", [
+    ("distributed.reduction=adasum", "ppo.max_grad_norm=0"),
+    ("distributed.compression=fp16",),
+    ("ppo.backward_passes_per_step=2",),
+], ids=["adasum", "fp16", "micro2"])
+def test_reduction_options_keep_ranks_identical(tmp_path, options):
+    run_dir = tmp_path / "run"
+    check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=640", "distributed.verify_every=1",
+                                        *options)), timeout=180))
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(rows) == 5 and all(r["parameters_identical"] for r in rows)
+    assert all(math.isfinite(r["policy_loss"]) for r in rows)
+
+
+def test_adasum_refuses_a_non_power_of_two_world(tmp_path):
+    result = run(mpirun_cmd(3, *train_cmd(tmp_path / "run", *QUICK, "distributed.reduction=adasum",
+                                           "ppo.max_grad_norm=0")), timeout=180)
+    assert result.returncode == 2
+    assert result.stdout.count("needs a power-of-2 number of ranks, got 3") == 3
+
+
+def test_run_ends_exactly_at_total_timesteps_with_a_shorter_last_rollout(tmp_path):
+    run_dir = tmp_path / "run"
+    check(run(train_cmd(run_dir, *QUICK, "ppo.total_timesteps=160"), timeout=120))  # 64 + 64 + 32
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["global_step"] for r in rows] == [64, 128, 160]
+    assert json.loads((run_dir / "summary.json").read_text())["global_step"] == 160
+
+
 def test_kl_early_stopping_with_differing_local_kls_does_not_deadlock(tmp_path):
     run_dir = tmp_path / "run"
     check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=1280",

@@ -35,6 +35,7 @@ if topo.rank == 1:
 dist.broadcast_state(model, optimizer, has_optimizer_state=True)
 moments = dist.allgather_object(float(sum(s["exp_avg"].sum() for s in optimizer.state.values())), name="m")
 if topo.rank == 0:
-    print(json.dumps({"before": before, "after": after, "lr": lr, "trained": trained[0],
-                      "moments": moments}), flush=True)
+    sys.stdout.write(json.dumps({"before": before, "after": after, "lr": lr, "trained": trained[0],
+                      "moments": moments}) + "\n")
+    sys.stdout.flush()
 sys.exit(0)

@@ -1,6 +1,6 @@
 """Worker: PPO update on a fixed global rollout batch; each rank takes its slice of environments.
 
-usage: equivalence.py OUT.pt {mlp|cnn} {global|local} [compression]
+usage: equivalence.py OUT.pt {mlp|cnn} {global|local} [compression] [backward_passes_per_step]
 Rank 0 saves the updated parameters; the test compares 1 process with 2 ranks.
 """
 import sys
@@ -16,6 +16,7 @@ from hvd_rl.ppo import Batch, PPOLearner
 
 out, kind, norm = sys.argv[1], sys.argv[2], sys.argv[3]
 compression = sys.argv[4] if len(sys.argv) > 4 else "none"
+micro_batches = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 topo = dist.init()
 torch.set_num_threads(1)
 T, E_GLOBAL = 16, 4
@@ -29,10 +30,11 @@ action_space = gym.spaces.Discrete(4)
 torch.manual_seed(0)
 model = build_model(ModelConfig(kind="nature_cnn" if kind == "cnn" else "mlp"), obs_space, action_space)
 cfg = PPOConfig(num_steps=T, num_minibatches=4, update_epochs=3, clip_coef=0.1, max_grad_norm=0.5,
-                global_advantage_norm=(norm == "global"), learning_rate=1e-3)
+                global_advantage_norm=(norm == "global"), learning_rate=1e-3,
+                backward_passes_per_step=micro_batches)
 optimizer = dist.distributed_optimizer(torch.optim.Adam(model.parameters(), lr=cfg.learning_rate, eps=1e-5),
                                        model, reduction="average", compression=compression,
-                                       backward_passes_per_step=1)
+                                       backward_passes_per_step=micro_batches)
 dist.broadcast_state(model, optimizer, has_optimizer_state=False)
 
 # The fixed global batch, [T, E_GLOBAL, ...], identical on every rank.
