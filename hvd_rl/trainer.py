@@ -144,11 +144,14 @@ class Trainer:
         dist.broadcast_state(self.model, self.optimizer, has_optimizer_state=info["path"] is not None)
 
         # 3. Per-rank RNG: restored exactly when the rank layout is unchanged, else reseeded.
-        rng_states = info["rng"]
+        rng_states, cuda_states = info["rng"], info["cuda_rng"]
         if rng_states and len(rng_states) == self.topo.size:
             torch.set_rng_state(rng_states[self.topo.rank])
+            if self.device.type == "cuda" and cuda_states and cuda_states[self.topo.rank] is not None:
+                torch.cuda.set_rng_state(cuda_states[self.topo.rank], self.device)
         else:
-            torch.manual_seed(_rank_seed(cfg.seed, self.progress.seed_offset, self.topo.rank))
+            seed = _rank_seed(cfg.seed, self.progress.seed_offset, self.topo.rank)
+            torch.manual_seed(seed)  # also seeds every CUDA device
 
         if self.topo.is_root:
             self._write_run_files(info)
@@ -183,10 +186,11 @@ class Trainer:
 
     def _resume_info(self, ckpt: dict | None, path: Path | None) -> dict[str, Any]:
         if ckpt is None:
-            return {"iteration": 0, "global_step": 0, "seed_offset": 0, "rng": None, "path": None,
+            return {"iteration": 0, "global_step": 0, "seed_offset": 0, "rng": None, "cuda_rng": None, "path": None,
                     "world_size": None, "envs_per_rank": None}
         return {"iteration": int(ckpt["iteration"]), "global_step": int(ckpt["global_step"]),
                 "seed_offset": int(ckpt["seed_offset"]), "rng": ckpt["rng"].get("torch"),
+                "cuda_rng": ckpt["rng"].get("cuda"),
                 "path": str(path), "world_size": int(ckpt["world_size"]),
                 "envs_per_rank": int(ckpt["envs_per_rank"])}
 
@@ -337,6 +341,9 @@ class Trainer:
     def _checkpoint(self, progress: Any) -> None:
         """Collective: gathers every rank's RNG state, then rank 0 writes atomically."""
         rng = dist.allgather_object(torch.get_rng_state(), name="checkpoint.rng")
+        cuda_rng = dist.allgather_object(
+            torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+            name="checkpoint.cuda_rng")
         topo = dist.topology()
         if topo.rank == 0:
             state = {
@@ -349,7 +356,7 @@ class Trainer:
                 "scaler": self.learner.scaler.state_dict() if self.learner.scaler else {},
                 "lr_schedule": {"global_step": progress.global_step,
                                 "total_timesteps": self.cfg.ppo.total_timesteps},
-                "rng": {"torch": rng}, "saved_at": time.time(),
+                "rng": {"torch": rng, "cuda": cuda_rng}, "saved_at": time.time(),
             }
             path = save_checkpoint(self.run_dir, state, keep=self.cfg.checkpoint.keep)
             self._logger().note(f"checkpoint {path}")
