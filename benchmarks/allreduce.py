@@ -16,8 +16,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +28,8 @@ sys.path.insert(0, str(REPO))
 
 import horovod.torch as hvd  # noqa: E402
 
-LAUNCHED_VARS = ("OMPI_COMM_WORLD_SIZE", "HOROVOD_RANK", "PMIX_RANK", "PMI_RANK")
+from hvd_rl.launch import launched, relaunch_under_mpirun  # noqa: E402
+
 DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024  # Horovod 0.28 defaults (horovod/common/operations.cc)
 DEFAULT_CYCLE_TIME_MS = 1.0
 
@@ -72,12 +71,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions (fewer for large sizes)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
-    if not any(v in os.environ for v in LAUNCHED_VARS) and args.np > 1:
-        env = dict(os.environ)
-        if os.geteuid() == 0:
-            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        return subprocess.call([shutil.which("mpirun") or "mpirun", "-np", str(args.np), "--oversubscribe",
-                                "--bind-to", "none", sys.executable, *sys.argv], env=env)
+    if not launched() and args.np > 1:
+        return relaunch_under_mpirun(args.np)
 
     hvd.init()
     torch.set_num_threads(1)

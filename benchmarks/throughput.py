@@ -18,8 +18,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,23 +32,11 @@ sys.path.insert(0, str(REPO))
 from hvd_rl import distributed as dist  # noqa: E402
 from hvd_rl.config import load_config, validate  # noqa: E402
 from hvd_rl.envs import RankEnvs, env_seeds  # noqa: E402
+from hvd_rl.launch import launched, relaunch_under_mpirun  # noqa: E402
 from hvd_rl.models import build_model  # noqa: E402
 from hvd_rl.ppo import Batch, PPOLearner  # noqa: E402
 from hvd_rl.rollout import sample_actions  # noqa: E402
 from hvd_rl.trainer import Trainer  # noqa: E402
-
-LAUNCHED_VARS = ("OMPI_COMM_WORLD_SIZE", "HOROVOD_RANK", "PMIX_RANK", "PMI_RANK")
-
-
-def relaunch_under_mpirun(np_: int) -> int:
-    env = dict(os.environ)
-    if os.geteuid() == 0:
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    cmd = [shutil.which("mpirun") or "mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none",
-           sys.executable, *sys.argv]
-    return subprocess.call(cmd, env=env)
-
 
 class EnvProbe:
     """Random actions through a vector env configured like the trainer's."""
@@ -136,7 +122,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4, help="measured rounds (probes + one trainer iteration)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
-    if not any(v in os.environ for v in LAUNCHED_VARS) and args.np > 1:
+    if not launched() and args.np > 1:
         return relaunch_under_mpirun(args.np)
 
     cfg = load_config(args.config, args.overrides)

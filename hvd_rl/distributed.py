@@ -18,6 +18,8 @@ import torch
 
 import horovod.torch as hvd
 
+from hvd_rl.launch import launched
+
 
 class LaunchError(RuntimeError):
     """The processes were started in a way that cannot work (wrong launcher flags, no GPU...)."""
@@ -36,12 +38,9 @@ class Topology:
         return self.rank == 0
 
 
-PEER_DISCOVERY_VARS = ("PMIX_RANK", "PMI_RANK", "PMI_FD", "OMPI_COMM_WORLD_RANK", "HOROVOD_RANK")
-
-
 def init() -> Topology:
     tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
-    if tasks.isdigit() and int(tasks) > 1 and not any(v in os.environ for v in PEER_DISCOVERY_VARS):
+    if tasks.isdigit() and int(tasks) > 1 and not launched():
         # srun without an MPI plugin: MPI could not find the other tasks (Open MPI aborts with a
         # misleading message, other MPIs start N lone rank-0 worlds that clobber each other's files).
         raise LaunchError(f"srun started {tasks} tasks without an MPI plugin, so the ranks cannot "

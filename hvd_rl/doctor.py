@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hvd_rl.launch import mpi_env
+
 ALLREDUCE_SNIPPET = (
     "import json, sys, torch, horovod.torch as hvd; hvd.init(); "
     "s = hvd.allreduce(torch.ones(4) * (hvd.rank() + 1), op=hvd.Sum, name='doctor'); "
@@ -32,20 +34,10 @@ class Report:
         self.problems.append(message)
 
 
-def _launch_env() -> dict[str, str]:
-    env = dict(os.environ)
-    if os.geteuid() == 0:  # Open MPI refuses root unless told it is deliberate
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    bin_dir = str(Path(sys.executable).parent)
-    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
-    return env
-
-
 def _allreduce_check(report: Report, label: str, cmd: list[str], num_ranks: int, timeout: float) -> None:
     expected = [float(sum(range(1, num_ranks + 1)))] * 4
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_launch_env())
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env())
     except subprocess.TimeoutExpired:
         report.info(label, "TIMEOUT")
         report.problem(f"{label}: {num_ranks}-rank allreduce did not finish in {timeout:.0f}s "
@@ -83,7 +75,7 @@ def _check_mpi4py(report: Report, have_mpirun: bool, timeout: float) -> None:
     code = "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].strip())"
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=timeout, env=_launch_env())
+                              timeout=timeout, env=mpi_env())
     except subprocess.TimeoutExpired:
         proc = None
     if proc is None or proc.returncode != 0:

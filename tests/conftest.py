@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from hvd_rl.launch import mpi_env
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # the venv's bin: hvd-rl, horovodrun, python
 PYTHON = sys.executable
@@ -22,9 +24,8 @@ QUICK = ["logging.tensorboard=false", "env.num_envs=2", "ppo.num_steps=32",
 
 
 def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}:{env.get('PATH', '')}"})
+    env = mpi_env()  # root allowance for Open MPI, this venv's bin first on PATH
+    env["PYTHONUNBUFFERED"] = "1"
     env.pop("HOROVOD_RANK", None)
     env.update(extra or {})
     return env
