@@ -25,6 +25,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from hvd_rl.config import load_config  # noqa: E402
+from hvd_rl.launch import mpi_env  # noqa: E402
+
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -48,20 +53,10 @@ def point_overrides(mode: str, ranks: int, base_envs: int, global_envs: int, num
             "logging.tensorboard=false", f"distributed.threads_per_rank={threads}"]
 
 
-def _num_steps(config: str, overrides: list[str]) -> int:
-    sys.path.insert(0, str(REPO))
-    from hvd_rl.config import load_config
-
-    return load_config(config, overrides).ppo.num_steps
-
-
-def _base_envs(config: str, overrides: list[str], requested: int) -> int:
-    if requested:
-        return requested
-    sys.path.insert(0, str(REPO))
-    from hvd_rl.config import load_config
-
-    return load_config(config, overrides).env.num_envs
+def _sizes(args: argparse.Namespace) -> tuple[int, int]:
+    """(weak-scaling envs per rank, rollout steps) from the config and the command line."""
+    cfg = load_config(args.config, args.set)
+    return args.envs_per_rank or cfg.env.num_envs, cfg.ppo.num_steps
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -98,9 +93,8 @@ def launch_command(launcher: str, ranks: int, hvd_args: list[str]) -> list[str]:
 def cmd_sweep(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = _base_envs(args.config, args.set, args.envs_per_rank)
+    base, num_steps = _sizes(args)
     global_envs = args.global_envs or base * max(args.ranks)
-    num_steps = _num_steps(args.config, args.set)
     cpus = os.cpu_count() or 1
     nodes = [1] * len(args.ranks)
     write_plan(out, args.modes, args.ranks, nodes, {
@@ -108,9 +102,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         "threads_per_rank": args.threads_per_rank,
         "warmup": args.warmup, "iterations": args.iterations, "launcher": args.launcher,
         "machine": {"hostname": os.uname().nodename, "cpus": cpus}})
-    env = dict(os.environ)
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = mpi_env()
     failures = 0
     for mode in args.modes:
         for ranks in args.ranks:
@@ -150,10 +142,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_point_args(args: argparse.Namespace) -> int:
     """Prints the --set arguments of one point (used by the SLURM sweep template)."""
-    base = _base_envs(args.config, args.set, args.envs_per_rank)
+    base, num_steps = _sizes(args)
     all_ranks = [int(r) for r in args.all_ranks.split()] if args.all_ranks else [args.ranks]
     global_envs = args.global_envs or base * max(all_ranks)
-    sets = point_overrides(args.mode, args.ranks, base, global_envs, _num_steps(args.config, args.set),
+    sets = point_overrides(args.mode, args.ranks, base, global_envs, num_steps,
                            args.warmup, args.iterations, args.threads_per_rank)
     print(" ".join(f"--set {s}" for s in sets))
     return 0

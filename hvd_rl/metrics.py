@@ -18,28 +18,29 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The run's metrics rows; a torn last line (a crash mid-write) is skipped."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
 def truncate_metrics(run_dir: str | Path, last_iteration: int) -> None:
     """On resume, drop lines from iterations after the checkpoint (they will be run again)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("iteration", 0) <= last_iteration:
-                kept.append(line)
-        except ValueError:
-            continue  # a torn last line from a crash
+    kept = [row for row in read_metrics(run_dir) if row.get("iteration", 0) <= last_iteration]
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
     os.replace(tmp, path)
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def format_duration(seconds: float) -> str:

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hvd_rl.metrics import read_metrics
+
 PHASES = ("time_env", "time_inference", "time_update", "time_allreduce")
 
 
@@ -55,20 +57,9 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ReportError(f"cannot read {path}: {exc}") from None
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue  # a torn last line of an interrupted run
-    return rows
-
-
 def measure_run(run_dir: Path, warmup: int) -> dict[str, Any]:
     """Throughput and phase times over the measured (post warm-up) iterations of one run."""
-    rows = _read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    rows = read_metrics(run_dir)
     measured = rows[warmup:]
     if not measured:
         return {"measured_iterations": 0}

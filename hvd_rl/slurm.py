@@ -109,7 +109,7 @@ def render(template_text: str, sbatch: dict[str, str | None], settings: dict[str
 def render_from_args(args: argparse.Namespace) -> Path:
     _check(args)
     template = template_dir() / TEMPLATES[args.template]
-    # Rendered scripts name the checkpoint they were rendered from, so they run from anywhere.
+    # Rendered scripts name the checkout they were rendered from, so they run from anywhere.
     settings: dict[str, str] = {"home": shlex.quote(str(Path(args.home or template_dir().parent).resolve()))}
     if args.config:
         settings["config"] = shlex.quote(args.config)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import horovod
 import numpy as np
 import torch
 
@@ -150,8 +151,8 @@ class Trainer:
             if self.device.type == "cuda" and cuda_states and cuda_states[self.topo.rank] is not None:
                 torch.cuda.set_rng_state(cuda_states[self.topo.rank], self.device)
         else:
-            seed = _rank_seed(cfg.seed, self.progress.seed_offset, self.topo.rank)
-            torch.manual_seed(seed)  # also seeds every CUDA device
+            # manual_seed also seeds every CUDA device.
+            torch.manual_seed(_rank_seed(cfg.seed, self.progress.seed_offset, self.topo.rank))
 
         if self.topo.is_root:
             self._write_run_files(info)
@@ -422,7 +423,7 @@ class Trainer:
                 "threads_per_rank": self.threads, "device": str(self.device),
                 "cpus_per_node": os.cpu_count(), "hostnames": sorted(set(hostnames)),
                 "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                             "horovod": _horovod_version()}}
+                             "horovod": horovod.__version__}}
 
     def train(self) -> None:
         try:
@@ -464,12 +465,6 @@ class Trainer:
         if self.logger is not None:
             self.logger.close()
             self.logger = None
-
-
-def _horovod_version() -> str:
-    import horovod
-
-    return horovod.__version__
 
 
 def _single_env_cfg(cfg: TrainConfig):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (BIN, QUICK, REPO, check, finish, launch_env, mpirun_cmd, rank_pid, read_jsonl, run,
+from conftest import (BIN, QUICK, check, finish, launch_env, mpirun_cmd, rank_pid, read_jsonl, run,
                       start, train_cmd, wait_for_iterations)
 from hvd_rl.checkpoint import load_checkpoint
 
