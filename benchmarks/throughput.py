@@ -1,16 +1,21 @@
-"""Trainer throughput against the ceiling its parts imply, measured in one run on one machine.
+"""Trainer throughput against the machine's limit, and weak scaling, measured in one run.
 
-    python benchmarks/throughput.py --config configs/atari_ppo.toml --np 2
+    python benchmarks/throughput.py --np 2 --out benchmarks/results/throughput_atari_2ranks.json
 
-On every rank, concurrently (as in training), with the configured model, envs and threads:
-  env-only        random actions through this rank's vector env                 -> env steps/s
-  inference-only  the rollout's per-step policy call (copy in, forward, sample)  -> env steps/s
-  learner-only    PPO minibatch updates on a rollout-sized batch, gradients
-                  averaged across ranks as in training                           -> samples/s
-  trainer         the real Trainer, after warm-up iterations                     -> env steps/s
-Rates are summed over ranks. One iteration needs one env step, one inference and `update_epochs`
-learner passes per sample, so the ceiling is 1 / (1/env + epochs/learner + 1/inference) and the
-script prints the trainer's SPS as a fraction of it.
+Each round runs, one after the other with nothing else on the machine:
+  probes   one process pinned to one CPU, one thread: each part of an iteration alone, at the
+           configured precision -- env steps/s (random actions through the configured vector
+           env), inference steps/s (the rollout's copy-in, forward, sample), learner samples/s
+           (full PPO updates: every epoch and minibatch, optimizer step included)
+  1 rank   the real trainer as one process with one compute thread, pinned to one CPU (each
+           of the N ranks gets one core from mpirun's default binding)
+  N ranks  the real trainer launched exactly as `make train` does (mpirun -np N --oversubscribe)
+One iteration needs one env step, one inference and `update_epochs` learner passes per sample, so
+one core can do at most 1 / (1/env + epochs/learner + 1/inference) env steps/s, and the machine
+limit is that times the cores the N ranks use. Reported: N-rank SPS / machine limit, and
+N-rank SPS / (N x 1-rank SPS) (weak scaling on one node). The order of the three parts rotates
+from round to round, and every ratio is formed within a round, so drift of a shared machine hits
+both sides of a ratio alike; the summary gives the median over rounds.
 """
 from __future__ import annotations
 
@@ -18,177 +23,247 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hvd_rl import distributed as dist  # noqa: E402
 from hvd_rl.config import load_config, validate  # noqa: E402
-from hvd_rl.envs import RankEnvs, env_seeds  # noqa: E402
-from hvd_rl.launch import launched, relaunch_under_mpirun  # noqa: E402
-from hvd_rl.models import build_model  # noqa: E402
-from hvd_rl.ppo import Batch, PPOLearner  # noqa: E402
-from hvd_rl.rollout import sample_actions  # noqa: E402
-from hvd_rl.trainer import Trainer  # noqa: E402
+from hvd_rl.launch import mpi_env  # noqa: E402
 
-class EnvProbe:
-    """Random actions through a vector env configured like the trainer's."""
-
-    def __init__(self, cfg, threads: int, rank: int):
-        self.envs = RankEnvs(cfg.env, threads=threads)
-        self.envs.reset(env_seeds(cfg.seed + 7919, 0, rank, cfg.env.num_envs))
-        self.rng = np.random.default_rng(rank)
-        self.num_envs = cfg.env.num_envs
-
-    def run(self, steps: int, warm: int) -> tuple[int, float]:
-        n = self.envs.single_action_space.n
-        actions = [self.rng.integers(0, n, size=self.num_envs) for _ in range(warm + steps)]
-        for a in actions[:warm]:
-            self.envs.step(a)
-        start = time.perf_counter()
-        for a in actions[warm:]:
-            self.envs.step(a)
-        return steps * self.num_envs, time.perf_counter() - start
+VENV_BIN = Path(sys.executable).parent
+PHASES = ("time_env", "time_inference", "time_update", "time_allreduce", "time_wait", "time_iteration")
 
 
-class InferenceProbe:
-    """The collector's per-step work without the env: copy obs in, forward, sample, copy out."""
+# ---- probes: one process, one CPU, one thread ---------------------------------------------------
 
-    def __init__(self, cfg, model, obs_space):
-        rng = np.random.default_rng(0)
-        shape = (cfg.env.num_envs,) + tuple(obs_space.shape)
-        self.frames = [rng.integers(0, 255, shape).astype(obs_space.dtype) for _ in range(4)]
-        dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
-        self.buffer = torch.zeros((cfg.ppo.num_steps,) + shape, dtype=dtype)
-        self.model, self.num_envs = model, cfg.env.num_envs
+def run_probes(cfg, steps: int) -> dict[str, float]:
+    import numpy as np
+    import torch
 
-    @torch.no_grad()
-    def run(self, steps: int, warm: int) -> tuple[int, float]:
-        for step in range(warm + steps):
-            if step == warm:
+    from hvd_rl import distributed as dist
+    from hvd_rl.envs import RankEnvs, env_seeds
+    from hvd_rl.models import InferencePolicy, build_model
+    from hvd_rl.ppo import Batch, PPOLearner
+    from hvd_rl.precision import precision_for
+    from hvd_rl.rollout import sample_actions
+
+    dist.init(cfg.distributed.mpi_yield_when_idle, cfg.distributed.cycle_time_ms)
+    torch.set_num_threads(1)
+    envs = RankEnvs(cfg.env, threads=1)
+    obs_space, action_space = envs.single_observation_space, envs.single_action_space
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, obs_space, action_space)
+    model.precision = precision_for(cfg.distributed.amp, torch.device("cpu"), len(obs_space.shape) == 3)
+    policy = InferencePolicy(model)
+    n = cfg.env.num_envs
+
+    # env: random actions, as many steps as a rollout would take
+    envs.reset(env_seeds(cfg.seed + 7919, 0, 0, n))
+    rng = np.random.default_rng(0)
+    actions = [rng.integers(0, action_space.n, size=n) for _ in range(steps + 32)]
+    for a in actions[:32]:
+        envs.step(a)
+    start = time.perf_counter()
+    for a in actions[32:]:
+        envs.step(a)
+    env_rate = steps * n / (time.perf_counter() - start)
+    envs.close()
+
+    # inference: the collector's per-step work without the env
+    frames = [rng.integers(0, 255, (n,) + obs_space.shape).astype(obs_space.dtype) for _ in range(4)]
+    dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
+    slots = torch.zeros((cfg.ppo.num_steps, n) + obs_space.shape, dtype=dtype)
+    with torch.no_grad():
+        for step in range(steps + 32):
+            if step == 32:
                 start = time.perf_counter()
-            slot = self.buffer[step % len(self.buffer)]
-            slot.copy_(torch.from_numpy(self.frames[step % 4]))
-            logits, _ = self.model(slot)
+            slot = slots[step % len(slots)]
+            slot.copy_(torch.from_numpy(frames[step % 4]))
+            logits, _ = policy(slot)
             sample_actions(logits)[0].numpy()
-        return steps * self.num_envs, time.perf_counter() - start
+    inference_rate = steps * n / (time.perf_counter() - start)
+
+    # learner: full PPO updates on a rollout-sized synthetic batch (first update is warm-up)
+    size = cfg.local_batch_size
+    obs = torch.from_numpy(rng.integers(0, 255, (size,) + obs_space.shape).astype(obs_space.dtype))
+    batch = Batch(obs=obs, actions=torch.from_numpy(rng.integers(0, action_space.n, size)),
+                  logprobs=torch.full((size,), -1.4), values=torch.zeros(size),
+                  advantages=torch.from_numpy(rng.normal(size=size).astype(np.float32)),
+                  returns=torch.from_numpy(rng.normal(size=size).astype(np.float32)))
+    optimizer = dist.distributed_optimizer(
+        torch.optim.Adam(model.parameters(), lr=cfg.ppo.learning_rate, eps=cfg.ppo.adam_eps), model,
+        reduction="average", compression="none", backward_passes_per_step=cfg.ppo.backward_passes_per_step)
+    learner = PPOLearner(model, optimizer, cfg.ppo, cfg.seed, scaler=model.precision.grad_scaler())
+    learner.update(batch, 1, 0, n, cfg.ppo.num_steps)
+    start = time.perf_counter()
+    passes = 0
+    for iteration in (2, 3):
+        passes += size * learner.update(batch, iteration, 0, n, cfg.ppo.num_steps).epochs_run
+    learner_rate = passes / (time.perf_counter() - start)
+    return {"env_sps": env_rate, "inference_sps": inference_rate, "learner_samples_per_s": learner_rate,
+            "precision": model.precision.mode}
 
 
-class LearnerProbe:
-    """Full PPO updates (all epochs and minibatches, gradients averaged across ranks) on a
-    synthetic rollout-sized batch."""
+def repo_relative(path: str) -> str:
+    """A path as results record it: relative to the repository, never a machine's absolute path."""
+    return os.path.relpath(Path(path).resolve(), REPO)
 
-    def __init__(self, cfg, model, obs_space, topo):
-        n = cfg.local_batch_size
-        rng = np.random.default_rng(topo.rank)
-        obs = torch.from_numpy(rng.integers(0, 255, (n,) + tuple(obs_space.shape)).astype(obs_space.dtype))
-        with torch.no_grad():
-            num_actions = model(obs[:1])[0].shape[-1]
-        self.batch = Batch(obs=obs, actions=torch.from_numpy(rng.integers(0, num_actions, n)),
-                           logprobs=torch.full((n,), -1.4), values=torch.zeros(n),
-                           advantages=torch.from_numpy(rng.normal(size=n).astype(np.float32)),
-                           returns=torch.from_numpy(rng.normal(size=n).astype(np.float32)))
-        optimizer = dist.distributed_optimizer(
-            torch.optim.Adam(model.parameters(), lr=cfg.ppo.learning_rate, eps=cfg.ppo.adam_eps), model,
-            reduction=cfg.distributed.reduction, compression=cfg.distributed.compression,
-            backward_passes_per_step=cfg.ppo.backward_passes_per_step)
-        self.learner = PPOLearner(model, optimizer, cfg.ppo, cfg.seed)
-        self.layout = (topo.rank * cfg.env.num_envs, cfg.env.num_envs, topo.size * cfg.env.num_envs,
-                       cfg.ppo.num_steps)
-        self.n, self.calls = n, 0
 
-    def run(self) -> tuple[int, float]:
-        self.calls += 1
-        start = time.perf_counter()
-        stats = self.learner.update(self.batch, self.calls, *self.layout)
-        return self.n * stats.epochs_run, time.perf_counter() - start
+def core_ceiling(probe: dict[str, float], epochs: int) -> float:
+    """Env steps/s one core can reach when an iteration costs env + inference + epochs x learner."""
+    return 1.0 / (1.0 / probe["env_sps"] + epochs / probe["learner_samples_per_s"] + 1.0 / probe["inference_sps"])
+
+
+# ---- the real trainer ---------------------------------------------------------------------------
+
+def train_command(config: str, overrides: list[str], ranks: int, run_dir: Path, iterations: int) -> list[str]:
+    """`hvd-rl train` for exactly `iterations` iterations of `ranks` ranks, no checkpoints or logs."""
+    cfg = load_config(config, overrides)
+    total = iterations * ranks * cfg.local_batch_size
+    return [str(VENV_BIN / "hvd-rl"), "train", "--config", str(config), "--run-dir", str(run_dir),
+            *[x for s in overrides for x in ("--set", s)],
+            "--set", f"ppo.total_timesteps={total}", "--set", "checkpoint.every=0",
+            "--set", "logging.tensorboard=false", "--set", "logging.console=false"]
+
+
+def measure_run(cmd: list[str], run_dir: Path, warmup: int, timeout: float,
+                env: dict[str, str] | None = None) -> dict:
+    """Runs a trainer command; SPS and mean phase times over the iterations after `warmup`."""
+    proc = subprocess.run(cmd, env=env or mpi_env(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    measured = rows[warmup:]
+    first_step = rows[warmup - 1]["global_step"] if warmup else 0
+    seconds = sum(r["time_iteration"] for r in measured)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"sps": (measured[-1]["global_step"] - first_step) / seconds, "iterations": len(measured),
+            "phases_s": {k: statistics.mean(r[k] for r in measured) for k in PHASES},
+            "collectives_per_iteration": statistics.mean(r["collectives"] for r in measured),
+            "precision": measured[-1]["precision"],
+            "runtime_settings": summary["topology"].get("runtime_settings")}
+
+
+def trainer_run(args, ranks: int, run_dir: Path, iterations: int) -> dict:
+    train = train_command(args.config, args.overrides, ranks, run_dir, iterations)
+    if ranks == 1:
+        # One core, as each of the N ranks gets from mpirun's default binding (--bind-to core).
+        cmd = pinned(train + ["--set", "distributed.threads_per_rank=1"])
+    else:  # make train's command line
+        cmd = [shutil.which("mpirun") or "mpirun", "-np", str(ranks), "--oversubscribe", *args.mpirun_arg, *train]
+    return measure_run(cmd, run_dir, args.warmup, args.timeout)
+
+
+def pinned(cmd: list[str]) -> list[str]:
+    """The command confined to one CPU (the first this process may use)."""
+    if not shutil.which("taskset"):
+        raise RuntimeError("taskset (util-linux) is needed to measure on one core")
+    return ["taskset", "-c", str(min(os.sched_getaffinity(0))), *cmd]
+
+
+def probe_run(args) -> dict:
+    cmd = [sys.executable, __file__, "--probe", "--config", str(args.config), "--steps", str(args.steps),
+           *[x for s in args.overrides for x in ("--set", s)]]
+    proc = subprocess.run(pinned(cmd), env=mpi_env(), capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"probes failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summarize(rounds: list[dict], ranks: int, epochs: int) -> dict:
+    for r in rounds:
+        r["core_ceiling_sps"] = core_ceiling(r["probes"], epochs)
+        r["machine_limit_sps"] = ranks * r["core_ceiling_sps"]
+        r["fraction_of_machine_limit"] = r["n_ranks"]["sps"] / r["machine_limit_sps"]
+        r["weak_scaling"] = r["n_ranks"]["sps"] / (ranks * r["one_rank"]["sps"])
+
+    def med(get):
+        return statistics.median(get(r) for r in rounds)
+
+    return {
+        "n_ranks_sps": med(lambda r: r["n_ranks"]["sps"]),
+        "one_rank_sps": med(lambda r: r["one_rank"]["sps"]),
+        "machine_limit_sps": med(lambda r: r["machine_limit_sps"]),
+        "fraction_of_machine_limit": med(lambda r: r["fraction_of_machine_limit"]),
+        "weak_scaling": med(lambda r: r["weak_scaling"]),
+        "probes": {k: med(lambda r, k=k: r["probes"][k])
+                   for k in ("env_sps", "inference_sps", "learner_samples_per_s")},
+        "collectives_per_iteration": med(lambda r: r["n_ranks"]["collectives_per_iteration"]),
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(REPO / "configs" / "atari_ppo.toml"))
+    parser.add_argument("--config", default="configs/atari_ppo.toml")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--np", type=int, default=2, help="ranks (the script starts mpirun itself)")
-    parser.add_argument("--steps", type=int, default=128, help="env-only and inference-only steps per round")
-    parser.add_argument("--warm-steps", type=int, default=32, help="untimed steps before each probe block")
-    parser.add_argument("--warmup", type=int, default=1, help="warm-up rounds")
-    parser.add_argument("--rounds", type=int, default=4, help="measured rounds (probes + one trainer iteration)")
+    parser.add_argument("--np", type=int, default=2, help="ranks of the multi-rank run (one core each)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=6, help="measured trainer iterations per run")
+    parser.add_argument("--warmup", type=int, default=1, help="trainer iterations not measured")
+    parser.add_argument("--steps", type=int, default=256, help="env and inference probe steps")
+    parser.add_argument("--mpirun-arg", action="append", default=[], help="extra mpirun argument (experiments)")
+    parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if not launched() and args.np > 1:
-        return relaunch_under_mpirun(args.np)
+    os.chdir(REPO)  # paths in results stay relative to the repository
+    args.config = repo_relative(args.config)
 
     cfg = load_config(args.config, args.overrides)
     validate(cfg)
-    topo = dist.init()
-    threads = dist.configure_threads(topo, cfg.distributed.threads_per_rank)
-    probe = RankEnvs(cfg.env.__class__(**{**cfg.env.__dict__, "num_envs": 1}), threads=1)
-    obs_space, action_space = probe.single_observation_space, probe.single_action_space
-    probe.close()
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, obs_space, action_space)
-
-    # Rounds interleave the probe blocks with trainer iterations, so that slow drifts of this
-    # machine (other tenants, frequency changes) hit the ceiling and the trainer alike.
-    probes = {"env": EnvProbe(cfg, threads, topo.rank), "inference": InferenceProbe(cfg, model, obs_space),
-              "learner": LearnerProbe(cfg, model, obs_space, topo)}
-    trainer_cfg = load_config(args.config, args.overrides)
-    totals = {k: [0, 0.0] for k in ("env", "inference", "learner")}
-    records = []
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer_cfg.run_dir = dist.broadcast_object(os.path.join(tmp, "trainer") if topo.rank == 0 else None,
-                                                    name="bench.run_dir")
-        trainer_cfg.ppo.total_timesteps = 10 ** 12
-        trainer_cfg.logging.tensorboard = trainer_cfg.logging.console = False
-        trainer = Trainer(trainer_cfg)
-        for round_ in range(args.warmup + args.rounds):
-            # Each probe block warms up first: the probes measure each part running on its own.
-            measured = {"env": probes["env"].run(args.steps, args.warm_steps),
-                        "inference": probes["inference"].run(args.steps, args.warm_steps),
-                        "learner": probes["learner"].run()}
-            record = trainer.iterate()
-            if round_ >= args.warmup:
-                records.append(record)
-                for key, (count, seconds) in measured.items():
-                    totals[key][0] += count
-                    totals[key][1] += seconds
-        trainer.close()
-    # Per-rank rates summed over ranks: ranks run concurrently, as in training.
-    rates = {k: float(dist.allreduce_sum([c / s], name=f"bench.{k}")[0]) for k, (c, s) in totals.items()}
-    if topo.rank != 0:
+    if args.probe:
+        print(json.dumps(run_probes(cfg, args.steps)))
         return 0
-    epochs = cfg.ppo.update_epochs
-    ceiling = 1.0 / (1.0 / rates["env"] + epochs / rates["learner"] + 1.0 / rates["inference"])
-    wall = sum(r["time_iteration"] for r in records)
-    trainer_sps = sum(cfg.global_batch_size(topo.size) for _ in records) / wall
-    phases = {k: float(np.mean([r[k] for r in records]))
-              for k in ("time_env", "time_inference", "time_update", "time_allreduce", "time_iteration")}
+
+    order = ["probes", "one_rank", "n_ranks"]
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for index in range(args.rounds):
+            result: dict = {}
+            for part in order[index % 3:] + order[:index % 3]:
+                if part == "probes":
+                    result[part] = probe_run(args)
+                else:
+                    ranks = 1 if part == "one_rank" else args.np
+                    run_dir = Path(tmp) / f"{part}-{index}"
+                    result[part] = trainer_run(args, ranks, run_dir, args.warmup + args.iterations)
+            rounds.append(result)
+            print(f"round {index + 1}: probes env {result['probes']['env_sps']:.0f} inference "
+                  f"{result['probes']['inference_sps']:.0f} learner {result['probes']['learner_samples_per_s']:.0f} | "
+                  f"1 rank {result['one_rank']['sps']:.0f} SPS | {args.np} ranks {result['n_ranks']['sps']:.0f} SPS",
+                  flush=True)
+    summary = summarize(rounds, args.np, cfg.ppo.update_epochs)
+    import torch
+
     result = {
-        "config": args.config, "overrides": args.overrides, "ranks": topo.size,
-        "threads_per_rank": threads, "envs_per_rank": cfg.env.num_envs, "backend": cfg.env.backend,
-        "env_sps": rates["env"], "inference_sps": rates["inference"], "learner_samples_per_s": rates["learner"],
-        "update_epochs": epochs, "ceiling_sps": ceiling, "trainer_sps": trainer_sps,
-        "fraction_of_ceiling": trainer_sps / ceiling, "trainer_phases_s": phases, "rounds": args.rounds,
+        "command": "python benchmarks/throughput.py " + " ".join(
+            repo_relative(a) if os.path.isabs(a) else a for a in sys.argv[1:]),
+        "config": str(args.config), "overrides": args.overrides, "ranks": args.np, "threads_per_rank": 1,
+        "cores_used": args.np, "envs_per_rank": cfg.env.num_envs, "env": cfg.env.id, "backend": cfg.env.backend,
+        "update_epochs": cfg.ppo.update_epochs, "launch": f"mpirun -np {args.np} --oversubscribe hvd-rl train",
+        "summary": summary, "rounds": rounds,
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "python": platform.python_version(), "torch": torch.__version__},
     }
-    print(f"ranks {topo.size} x {threads} thread(s), {cfg.env.num_envs} envs/rank, {cfg.env.id} ({cfg.env.backend})")
-    print(f"  env-only          {rates['env']:10.0f} env steps/s")
-    print(f"  inference-only    {rates['inference']:10.0f} env steps/s")
-    print(f"  learner-only      {rates['learner']:10.0f} samples/s  (x{epochs} epochs per sample)")
-    print(f"  ceiling           {ceiling:10.0f} env steps/s  = 1/(1/env + {epochs}/learner + 1/inference)")
-    print(f"  trainer           {trainer_sps:10.0f} env steps/s")
-    print(f"  trainer / ceiling {trainer_sps / ceiling:10.2f}")
-    print("  trainer phases per iteration: " + ", ".join(
-        f"{k[5:]} {v:.2f}s" for k, v in phases.items() if k != "time_iteration")
-        + f" (iteration {phases['time_iteration']:.2f}s)")
+    p = summary["probes"]
+    print(f"{args.np} ranks x 1 thread, {cfg.env.num_envs} envs/rank, {cfg.env.id} ({cfg.env.backend}), "
+          f"precision {rounds[0]['n_ranks']['precision']}; medians over {args.rounds} rounds")
+    print(f"  one core alone: env {p['env_sps']:.0f} steps/s, inference {p['inference_sps']:.0f} steps/s, "
+          f"learner {p['learner_samples_per_s']:.0f} samples/s (x{cfg.ppo.update_epochs} epochs)")
+    print(f"  machine limit       {summary['machine_limit_sps']:8.0f} SPS  = {args.np} cores x "
+          f"1/(1/env + {cfg.ppo.update_epochs}/learner + 1/inference)")
+    print(f"  1 rank, 1 thread    {summary['one_rank_sps']:8.0f} SPS")
+    print(f"  {args.np} ranks             {summary['n_ranks_sps']:8.0f} SPS "
+          f"({summary['collectives_per_iteration']:.0f} collectives per iteration)")
+    print(f"  {args.np} ranks / machine limit   {summary['fraction_of_machine_limit']:.2f}")
+    print(f"  {args.np} ranks / ({args.np} x 1 rank)     {summary['weak_scaling']:.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -127,11 +127,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     from hvd_rl.checkpoint import CheckpointError
     from hvd_rl.distributed import CollectiveError, LaunchError
+    from hvd_rl.precision import PrecisionError
 
     try:
         trainer = T.Trainer(cfg, resume=args.resume)
         trainer.train_elastic() if args.elastic else trainer.train()
-    except (CollectiveError, CheckpointError, ConfigError, LaunchError) as exc:
+    except (CollectiveError, CheckpointError, ConfigError, LaunchError, PrecisionError) as exc:
         return error_exit(str(exc), T.EXIT_BAD_INPUT)
     except T.NonFiniteLossError as exc:
         return error_exit(str(exc), T.EXIT_NONFINITE)

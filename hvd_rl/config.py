@@ -74,7 +74,13 @@ class DistributedConfig:
     compression: str = "none"  # none | fp16
     threads_per_rank: int = 0  # 0 = CPUs available to this rank / ranks sharing them
     device: str = "auto"  # auto | cpu | cuda  (cuda: one device per local rank)
-    amp: str = "off"  # off | bf16 | fp16 (autocast on CUDA)
+    # off | auto | bf16 | fp16: autocast for rollout inference and learner alike (see precision.py);
+    # auto = bf16 for CNNs where the CPU/GPU does bf16 natively, fp32 otherwise
+    amp: str = "auto"
+    # Waiting without burning the core (see distributed.apply_runtime_settings); an environment
+    # variable set by the user or launcher takes precedence over these.
+    mpi_yield_when_idle: bool = True  # OMPI_MCA_mpi_yield_when_idle
+    cycle_time_ms: float = 2.0  # HOROVOD_CYCLE_TIME; 0 = Horovod's default (1 ms)
     verify_every: int = 0  # check parameters agree across ranks every K iterations (0: at the end)
     elastic_min_np: int = 1  # informational for `hvd-rl train --elastic`; horovodrun enforces it
 
@@ -255,6 +261,7 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
 
 
 BACKENDS = ("sync", "async", "ale_vector")
+AMP_MODES = ("off", "auto", "bf16", "fp16")  # see hvd_rl/precision.py
 MODEL_KINDS = ("auto", "nature_cnn", "mlp")
 
 
@@ -305,7 +312,8 @@ def validate(cfg: TrainConfig) -> None:
          f"distributed.compression must be 'none' or 'fp16', got {d.compression!r}")
     need(d.device in ("auto", "cpu", "cuda"),
          f"distributed.device must be 'auto', 'cpu' or 'cuda', got {d.device!r}")
-    need(d.amp in ("off", "bf16", "fp16"), f"distributed.amp must be 'off', 'bf16' or 'fp16', got {d.amp!r}")
+    need(d.amp in AMP_MODES, f"distributed.amp must be one of {AMP_MODES}, got {d.amp!r}")
+    need(d.cycle_time_ms >= 0, f"distributed.cycle_time_ms must be >= 0, got {d.cycle_time_ms}")
     if d.reduction == "adasum":
         # Horovod's Adasum optimizer steps on each rank's gradient inside the backward hooks.
         need(p.max_grad_norm == 0, "distributed.reduction = 'adasum' cannot clip gradients (each rank "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -38,7 +39,46 @@ class Topology:
         return self.rank == 0
 
 
-def init() -> Topology:
+# Settings read by Open MPI (in MPI_Init) and Horovod (in hvd.init) from the environment, so they
+# must be in place before either starts. `apply_runtime_settings` puts them there from the config,
+# in this process, which covers every launcher (mpirun, srun --mpi=pmix, horovodrun) at once.
+#
+# Why (benchmarks/results/runtime_settings.json): Horovod's background thread coordinates with the
+# other ranks every HOROVOD_CYCLE_TIME ms, also while the rank is stepping environments, and Open
+# MPI busy-polls while it waits for the peer. With one core per rank that poll steals the core from
+# the rank's own compute: 2 ranks of the Atari preset lost ~35% of the machine.
+YIELD_VAR = "OMPI_MCA_mpi_yield_when_idle"
+CYCLE_VAR = "HOROVOD_CYCLE_TIME"
+
+
+@dataclass(frozen=True)
+class RuntimeSetting:
+    name: str
+    value: str
+    source: str  # "config" (set here) or "environment" (already set by the user or launcher)
+
+
+def apply_runtime_settings(yield_when_idle: bool = True, cycle_time_ms: float = 0.0) -> list[RuntimeSetting]:
+    """Puts the MPI/Horovod waiting settings into this process's environment before init.
+
+    A value already in the environment wins (the user or the launcher chose it) and is reported
+    as such. `cycle_time_ms = 0` leaves Horovod's own default (1 ms).
+    """
+    wanted = {YIELD_VAR: "1" if yield_when_idle else "0"}
+    if cycle_time_ms > 0:
+        wanted[CYCLE_VAR] = f"{cycle_time_ms:g}"
+    settings = []
+    for name, value in wanted.items():
+        if name in os.environ:
+            settings.append(RuntimeSetting(name, os.environ[name], "environment"))
+        else:
+            os.environ[name] = value
+            settings.append(RuntimeSetting(name, value, "config"))
+    return settings
+
+
+def init(yield_when_idle: bool = True, cycle_time_ms: float = 0.0) -> Topology:
+    apply_runtime_settings(yield_when_idle, cycle_time_ms)
     tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
     if tasks.isdigit() and int(tasks) > 1 and not launched():
         # srun without an MPI plugin: MPI could not find the other tasks (Open MPI aborts with a
@@ -131,24 +171,63 @@ def select_device(topo: Topology, requested: str = "auto") -> torch.device:
 
 # ---- collectives (always named; called in the same order on every rank) -------------------------
 
+class CollectiveClock:
+    """Counts this process's collectives and the seconds spent blocked in them.
+
+    Every collective costs at least one Horovod coordination cycle, so their number per iteration
+    is a cost of its own (the throughput benchmark reports it). The blocked time is later split
+    into communication (the fastest rank's time: it never waits) and waiting for slower ranks.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+
+    def add(self, count: int, seconds: float) -> None:
+        self.count += count
+        self.seconds += seconds
+
+
+CLOCK = CollectiveClock()
+
+
+def _timed(count: int, fn, *args, **kwargs):
+    start = time.perf_counter()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        CLOCK.add(count, time.perf_counter() - start)
+
+
 def allreduce_sum(values: Sequence[float] | np.ndarray | torch.Tensor, name: str) -> np.ndarray:
     """Sum of a small float64 vector over all ranks."""
     tensor = torch.as_tensor(np.asarray(values, dtype=np.float64))
-    return hvd.allreduce(tensor, op=hvd.Sum, name=name).numpy()
+    return _timed(1, hvd.allreduce, tensor, op=hvd.Sum, name=name).numpy()
+
+
+def allreduce_sum_async(values: Sequence[float] | np.ndarray, name: str) -> Any:
+    """Starts a float64 sum; issued next to other pending allreduces (the gradients) it is
+    negotiated in the same Horovod cycle and costs no extra round. Finish with `wait_sum`."""
+    CLOCK.add(1, 0.0)
+    return hvd.allreduce_async(torch.as_tensor(np.asarray(values, dtype=np.float64)), op=hvd.Sum, name=name)
+
+
+def wait_sum(handle: Any) -> np.ndarray:
+    return _timed(0, hvd.synchronize, handle).numpy()
 
 
 def allgather_rows(array: np.ndarray, name: str) -> np.ndarray:
     """Concatenates each rank's rows (any count, including zero) in rank order."""
-    return hvd.allgather(torch.as_tensor(np.ascontiguousarray(array)), name=name).numpy()
+    return _timed(1, hvd.allgather, torch.as_tensor(np.ascontiguousarray(array)), name=name).numpy()
 
 
 def broadcast_object(obj: Any, name: str, root_rank: int = 0) -> Any:
     """broadcast_object with a mandatory name: unnamed calls with a None payload can hang."""
-    return hvd.broadcast_object(obj, root_rank=root_rank, name=name)
+    return _timed(2, hvd.broadcast_object, obj, root_rank=root_rank, name=name)
 
 
 def allgather_object(obj: Any, name: str) -> list[Any]:
-    return hvd.allgather_object(obj, name=name)
+    return _timed(2, hvd.allgather_object, obj, name=name)
 
 
 def any_rank(flag: bool, name: str) -> bool:

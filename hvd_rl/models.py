@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from hvd_rl.config import ModelConfig
+from hvd_rl.precision import Precision
 
 
 def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Module:
@@ -33,22 +34,68 @@ class ActorCritic(nn.Module):
         self.actor = layer_init(nn.Linear(feature_dim, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(feature_dim, 1), std=1.0)
         self.input_scale = input_scale
+        # Set by the trainer; every forward pass (rollout, learner, evaluation) runs under it.
+        self.precision = Precision("off", "cpu")
 
     def _prepare(self, obs: torch.Tensor) -> torch.Tensor:
-        if obs.dim() == 4:  # frames: channels-last input makes oneDNN convolutions ~1.4x faster
+        """uint8 frames go straight to the compute dtype (no fp32 copy in between: ~1.3x faster
+        bf16 training on CPU), channels-last (oneDNN convolutions ~1.4x faster)."""
+        if obs.dim() == 4:
             obs = obs.contiguous(memory_format=torch.channels_last)
-        return obs.float() * self.input_scale
+        dtype = self.precision.dtype if self.precision.device_type == obs.device.type else None
+        x = obs.to(dtype or torch.float32)
+        if self.input_scale == 1.0:
+            return x
+        return x.mul_(self.input_scale) if x.data_ptr() != obs.data_ptr() else x * self.input_scale
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (logits, value). `obs` may be uint8 frames; scaling happens here, on device."""
-        x = self._prepare(obs)
-        hidden = self.torso(x)
-        critic_hidden = hidden if self.critic_torso is None else self.critic_torso(x)
-        return self.actor(hidden), self.critic(critic_hidden).squeeze(-1)
+        with self.precision.autocast():
+            x = self._prepare(obs)
+            hidden = self.torso(x)
+            critic_hidden = hidden if self.critic_torso is None else self.critic_torso(x)
+            logits, value = self.actor(hidden), self.critic(critic_hidden).squeeze(-1)
+        return logits.float(), value.float()
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
-        x = self._prepare(obs)
-        return self.critic(self.torso(x) if self.critic_torso is None else self.critic_torso(x)).squeeze(-1)
+        with self.precision.autocast():
+            x = self._prepare(obs)
+            hidden = self.torso(x) if self.critic_torso is None else self.critic_torso(x)
+            value = self.critic(hidden).squeeze(-1)
+        return value.float()
+
+
+class InferencePolicy:
+    """The rollout's view of the policy: the training model's weights, pre-cast to the compute
+    dtype once per iteration instead of by autocast at every step.
+
+    Under autocast each forward pass re-casts every fp32 weight (1.7M for the Nature CNN) to
+    bf16, which for batch-of-8 rollout inference costs more than the convolutions. A bf16 copy
+    computes exactly what autocast computes (same bf16 weights and inputs, same kernels), so the
+    learner's first PPO ratio stays 1. In fp32 the training model is used directly.
+    """
+
+    def __init__(self, model: ActorCritic):
+        self.source = model
+        self.model = model
+        if model.precision.dtype is not None:
+            import copy
+
+            self.model = copy.deepcopy(model).to(model.precision.dtype)
+            self.model.requires_grad_(False)
+
+    def sync(self) -> None:
+        """Copies the training weights in (after an update, a broadcast or a resume)."""
+        if self.model is not self.source:
+            with torch.no_grad():
+                for mine, theirs in zip(self.model.parameters(), self.source.parameters()):
+                    mine.copy_(theirs)
+
+    def __call__(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model(obs)
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.model.value(obs)
 
 
 def nature_cnn(in_channels: int) -> tuple[nn.Module, int]:

@@ -5,7 +5,8 @@ Exact N-rank == 1-rank math rests on three choices made here:
    with a generator keyed by (seed, iteration, epoch, global env index) and split evenly over the
    minibatches. Each rank's share of minibatch k is therefore the same size, and the union over
    ranks is exactly the minibatch one process would draw from the whole batch.
-2. Advantages are normalised with allreduced minibatch statistics (ppo.global_advantage_norm).
+2. Advantages are normalised with allreduced minibatch statistics (ppo.global_advantage_norm),
+   all minibatches of all epochs in one allreduce.
 3. Gradients are averaged by hvd.DistributedOptimizer; the mean of equal-size rank means is the
    global mean, so clipping, Adam and every other step see the one-process gradient.
 """
@@ -51,20 +52,19 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, terminated: torch.T
 
 
 def minibatch_indices(seed: int, iteration: int, epoch: int, first_global_env: int,
-                      local_envs: int, global_envs: int, num_steps: int,
-                      num_minibatches: int) -> list[np.ndarray]:
+                      local_envs: int, num_steps: int, num_minibatches: int) -> list[np.ndarray]:
     """Flat indices (t * local_envs + e) of this rank's share of each minibatch.
 
-    The random order of every global env's timesteps depends only on the seed, the iteration,
-    the epoch and the global env index, never on how envs are spread over ranks.
+    Every environment's timesteps are shuffled by a generator keyed by (seed, iteration, epoch,
+    global env index), so the order never depends on how envs are spread over ranks, and each
+    rank draws only its own environments' rows (no rank touches the global batch).
     """
-    rng = np.random.default_rng([seed, iteration, epoch])
-    order = np.argsort(rng.random((global_envs, num_steps)), axis=1)  # [global env, shuffled t]
-    mine = order[first_global_env:first_global_env + local_envs]  # [local env, shuffled t]
+    order = np.stack([np.random.default_rng([seed, iteration, epoch, env]).permutation(num_steps)
+                      for env in range(first_global_env, first_global_env + local_envs)])
     per_env = num_steps // num_minibatches
     env_index = np.arange(local_envs)[:, None]
     return [
-        (mine[:, k * per_env:(k + 1) * per_env] * local_envs + env_index).reshape(-1)
+        (order[:, k * per_env:(k + 1) * per_env] * local_envs + env_index).reshape(-1)
         for k in range(num_minibatches)
     ]
 
@@ -128,21 +128,23 @@ def ppo_loss(logits: torch.Tensor, new_values: torch.Tensor, actions: torch.Tens
     return LossTerms(total, pg_loss, v_loss, entropy_mean, approx_kl, old_approx_kl, clipfrac)
 
 
-def normalize_advantages(adv: torch.Tensor, global_stats: bool, name: str) -> tuple[torch.Tensor, float]:
-    """(adv - mean) / (std + 1e-8) over the minibatch: over all ranks' shares when global_stats.
+def advantage_statistics(advantages: torch.Tensor, plan: list[list[np.ndarray]],
+                         global_stats: bool) -> np.ndarray:
+    """(mean, std) of the advantages of every minibatch of every epoch, shape [epochs, M, 2].
 
-    Returns the normalised advantages and the seconds spent in the allreduce.
+    With global_stats the sums of all ranks' shares are combined in ONE allreduce for the whole
+    update (not one per minibatch): the minibatch layout of every epoch is known in advance.
+    std is the unbiased one, like torch.std in CleanRL.
     """
-    if not global_stats:
-        return (adv - adv.mean()) / (adv.std() + 1e-8), 0.0
-    adv64 = adv.double()
-    start = time.perf_counter()
-    total, total_sq, count = dist.allreduce_sum(
-        [adv64.sum().item(), (adv64 * adv64).sum().item(), float(adv.numel())], name=name)
-    waited = time.perf_counter() - start
+    adv = advantages.detach().double().cpu().numpy()
+    sums = np.array([[[adv[mb].sum(), (adv[mb] ** 2).sum(), float(len(mb))] for mb in epoch]
+                     for epoch in plan], dtype=np.float64)
+    if global_stats:
+        sums = dist.allreduce_sum(sums.reshape(-1), name="ppo.advantage_stats").reshape(sums.shape)
+    total, total_sq, count = sums[..., 0], sums[..., 1], sums[..., 2]
     mean = total / count
-    var = max(total_sq - count * mean * mean, 0.0) / max(count - 1.0, 1.0)  # unbiased, like .std()
-    return (adv - mean) / (var ** 0.5 + 1e-8), waited
+    var = np.maximum(total_sq - count * mean * mean, 0.0) / np.maximum(count - 1.0, 1.0)
+    return np.stack([mean, np.sqrt(var)], axis=-1)
 
 
 @dataclass
@@ -150,20 +152,29 @@ class UpdateStats:
     policy_loss: float
     value_loss: float
     entropy: float
-    approx_kl: float  # mean over the minibatches of the last epoch run
+    approx_kl: float  # over all ranks, mean over the minibatches of the last epoch run
     old_approx_kl: float
     clipfrac: float
     grad_norm: float
     epochs_run: int
+    stop_requested: bool  # some rank asked to stop (preemption); epochs were cut short
     time_update: float  # seconds of compute (forward, backward, optimizer step)
-    time_allreduce: float  # seconds waiting for gradient and statistics allreduces
+    time_allreduce: float  # seconds blocked in gradient and statistics collectives
+    gradient_allreduces: int  # minibatch gradient reductions (one Horovod round each)
 
 
 class PPOLearner:
-    """Runs the update epochs for one rollout; identical control flow on every rank."""
+    """Runs the update epochs for one rollout; identical control flow on every rank.
+
+    Collectives per update: one for the advantage statistics of every minibatch of every epoch,
+    one gradient allreduce per minibatch, and per epoch a small sum (KL for early stopping, the
+    stop flag for preemption) issued beside the epoch's last gradient allreduce so that it rides
+    in the same Horovod cycle.
+    """
 
     def __init__(self, model: nn.Module, optimizer, cfg: PPOConfig, seed: int,
-                 amp: str = "off", device: torch.device = torch.device("cpu"), adasum: bool = False):
+                 scaler: torch.amp.GradScaler | None = None, device: torch.device = torch.device("cpu"),
+                 adasum: bool = False):
         self.model = model
         self.optimizer = optimizer  # an hvd.DistributedOptimizer
         # Adasum's optimizer is a "delta" optimizer: each rank steps on its own gradient inside
@@ -172,45 +183,43 @@ class PPOLearner:
         self.cfg = cfg
         self.seed = seed
         self.device = device
-        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp) if device.type == "cuda" else None
-        self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype is torch.float16 else None
+        self.scaler = scaler  # fp16 loss scaling (precision.Precision.grad_scaler)
         self.loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None  # fault injection
 
-    def _forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.amp_dtype is None:
-            return self.model(obs)
-        with torch.autocast(self.device.type, dtype=self.amp_dtype):
-            logits, values = self.model(obs)
-        return logits.float(), values.float()
-
     def update(self, batch: Batch, iteration: int, first_global_env: int, local_envs: int,
-               global_envs: int, num_steps: int) -> UpdateStats:
+               num_steps: int, stop_requested: Callable[[], bool] = lambda: False) -> UpdateStats:
         cfg = self.cfg
         params = [p for p in self.model.parameters()]
         micro = cfg.backward_passes_per_step
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         t_start = time.perf_counter()
-        t_allreduce = 0.0
-        # Per-epoch sums of: policy loss, value loss, entropy, approx KL, old approx KL, clipfrac.
-        sums = torch.zeros(6, dtype=torch.float64, device=self.device)
+        blocked_before = dist.CLOCK.seconds
+        t_sync = 0.0
+        plan = [minibatch_indices(self.seed, iteration, epoch, first_global_env, local_envs,
+                                  num_steps, cfg.num_minibatches)
+                for epoch in range(cfg.update_epochs)]
+        adv_stats = advantage_statistics(batch.advantages, plan, cfg.global_advantage_norm) if cfg.norm_adv else None
+        # Per-epoch sums over minibatches, each term weighted by the local sample count:
+        # policy loss, value loss, entropy, approx KL, old approx KL, clipfrac, samples.
+        sums = torch.zeros(7, dtype=torch.float64, device=self.device)
         grad_norm = 0.0
         epochs_run = 0
         approx_kl = 0.0
-        for epoch in range(cfg.update_epochs):
+        gradient_allreduces = 0
+        stop = False
+        for epoch, minibatches in enumerate(plan):
             sums.zero_()
-            minibatches = minibatch_indices(self.seed, iteration, epoch, first_global_env,
-                                            local_envs, global_envs, num_steps, cfg.num_minibatches)
+            control = None
             for mb_index, mb in enumerate(minibatches):
                 mb = torch.from_numpy(mb).to(self.device)
                 adv = batch.advantages[mb]
-                if cfg.norm_adv:
-                    adv, waited = normalize_advantages(
-                        adv, cfg.global_advantage_norm, name=f"ppo.adv_stats.{epoch}.{mb_index}")
-                    t_allreduce += waited
+                if adv_stats is not None:
+                    mean, std = adv_stats[epoch, mb_index]
+                    adv = (adv - mean) / (std + 1e-8)
                 self.optimizer.zero_grad()
                 for part in torch.chunk(torch.arange(len(mb), device=self.device), micro):
                     idx = mb[part]
-                    logits, new_values = self._forward(batch.obs[idx])
+                    logits, new_values = self.model(batch.obs[idx])
                     terms = ppo_loss(logits, new_values, batch.actions[idx], batch.logprobs[idx],
                                      batch.values[idx], adv[part], batch.returns[idx], cfg)
                     loss = terms.total / micro
@@ -218,12 +227,19 @@ class PPOLearner:
                         loss = self.loss_hook(loss)
                     (self.scaler.scale(loss) if self.scaler else loss).backward()
                     with torch.no_grad():
+                        weight = len(idx)
                         sums += torch.stack([terms.policy, terms.value, terms.entropy, terms.approx_kl,
-                                             terms.old_approx_kl, terms.clipfrac]).double() / micro
+                                             terms.old_approx_kl, terms.clipfrac,
+                                             torch.ones((), device=self.device)]).double() * weight
+                if mb_index == len(minibatches) - 1:
+                    # Beside the epoch's last gradient allreduce: [KL x samples, samples, stop flag].
+                    local = sums[[3, 6]].tolist() + [1.0 if stop_requested() else 0.0]
+                    control = dist.allreduce_sum_async(local, name=f"ppo.epoch_control.{epoch}")
+                gradient_allreduces += 1
                 if self.adasum:
                     t0 = time.perf_counter()
                     self.optimizer.step()
-                    t_allreduce += time.perf_counter() - t0
+                    t_sync += time.perf_counter() - t0
                     # The combined parameters are identical on every rank, so is this decision.
                     if not all(torch.isfinite(p).all() for p in params):
                         raise NonFiniteLossError(
@@ -232,7 +248,7 @@ class PPOLearner:
                     continue
                 t0 = time.perf_counter()
                 self.optimizer.synchronize()  # wait for the averaged gradients
-                t_allreduce += time.perf_counter() - t0
+                t_sync += time.perf_counter() - t0
                 if self.scaler:
                     self.scaler.unscale_(self.optimizer)
                 norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -249,17 +265,19 @@ class PPOLearner:
                     else:
                         self.optimizer.step()
             epochs_run += 1
-            # Early stopping on the allreduced KL: every rank takes the same branch.
-            n = len(minibatches)
-            t0 = time.perf_counter()
-            approx_kl = float(dist.allreduce_sum([float(sums[3]) / n], name=f"ppo.kl.{epoch}")[0]) / dist.world_size()
-            t_allreduce += time.perf_counter() - t0
-            if cfg.target_kl > 0 and approx_kl > cfg.target_kl:
+            kl_weighted, samples, stop_votes = dist.wait_sum(control)
+            approx_kl = float(kl_weighted / samples)
+            stop = stop_votes > 0
+            # Every rank got the same sums, so every rank takes the same branch.
+            if stop or (cfg.target_kl > 0 and approx_kl > cfg.target_kl):
                 break
-        means = (sums / cfg.num_minibatches).tolist()
+        local_means = (sums[:6] / sums[6]).tolist()
         elapsed = time.perf_counter() - t_start
+        blocked = t_sync + (dist.CLOCK.seconds - blocked_before)
+        dist.CLOCK.add(gradient_allreduces, t_sync)
         return UpdateStats(
-            policy_loss=means[0], value_loss=means[1], entropy=means[2],
-            approx_kl=approx_kl, old_approx_kl=means[4], clipfrac=means[5],
-            grad_norm=grad_norm, epochs_run=epochs_run,
-            time_update=elapsed - t_allreduce, time_allreduce=t_allreduce)
+            policy_loss=local_means[0], value_loss=local_means[1], entropy=local_means[2],
+            approx_kl=approx_kl, old_approx_kl=local_means[4], clipfrac=local_means[5],
+            grad_norm=grad_norm, epochs_run=epochs_run, stop_requested=stop,
+            time_update=elapsed - blocked, time_allreduce=blocked,
+            gradient_allreduces=gradient_allreduces)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from hvd_rl.envs import RankEnvs
-from hvd_rl.models import ActorCritic
+from hvd_rl.models import ActorCritic, InferencePolicy
 from hvd_rl.ppo import Batch, compute_gae
 
 
@@ -71,7 +71,8 @@ def sample_actions(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class RolloutCollector:
     def __init__(self, envs: RankEnvs, model: ActorCritic, buffer: RolloutBuffer,
                  device: torch.device, seeds: list[int]):
-        self.envs, self.model, self.buffer, self.device = envs, model, buffer, device
+        self.envs, self.buffer, self.device = envs, buffer, device
+        self.policy = InferencePolicy(model)
         self.next_obs = envs.reset(seeds)
         self.on_cpu = device.type == "cpu"
 
@@ -79,7 +80,8 @@ class RolloutCollector:
     def collect(self, num_steps: int | None = None) -> tuple[torch.Tensor, RolloutTimes, Episodes]:
         """Fills the buffer's first `num_steps` steps (all by default); returns V(last obs),
         times and the episodes that finished."""
-        buf, model, envs = self.buffer, self.model, self.envs
+        buf, model, envs = self.buffer, self.policy, self.envs
+        model.sync()  # the weights the learner just produced
         times, episodes = RolloutTimes(), Episodes()
         clock = time.perf_counter
         for step in range(num_steps or buf.num_steps):

@@ -31,6 +31,7 @@ from hvd_rl.envs import RankEnvs, env_seeds
 from hvd_rl.metrics import METRICS_FILE, MetricsLogger, log_line, truncate_metrics
 from hvd_rl.models import build_model, model_signature
 from hvd_rl.ppo import NonFiniteLossError, PPOLearner
+from hvd_rl.precision import precision_for
 from hvd_rl.rollout import RolloutBuffer, RolloutCollector
 
 # Exit codes, identical on every rank (documented in the README and used by the SLURM templates).
@@ -87,7 +88,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, resume: str | None = None):
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.topo = dist.init()
+        self.topo = dist.init(cfg.distributed.mpi_yield_when_idle, cfg.distributed.cycle_time_ms)
         if cfg.distributed.reduction == "adasum":
             dist.check_adasum(self.topo)
         self.threads = dist.configure_threads(self.topo, cfg.distributed.threads_per_rank)
@@ -120,6 +121,9 @@ class Trainer:
         self.obs_space, self.action_space = probe.single_observation_space, probe.single_action_space
         probe.close()
         self.model = build_model(cfg.model, self.obs_space, self.action_space).to(self.device)
+        self.precision = precision_for(cfg.distributed.amp, self.device,
+                                       convolutional=len(self.obs_space.shape) == 3)
+        self.model.precision = self.precision
         self.signature = model_signature(self.obs_space, self.action_space, self.model)
         base_optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.ppo.learning_rate,
                                           eps=cfg.ppo.adam_eps)
@@ -128,7 +132,7 @@ class Trainer:
             compression=cfg.distributed.compression,
             backward_passes_per_step=cfg.ppo.backward_passes_per_step)
         self.learner = PPOLearner(self.model, self.optimizer, cfg.ppo, cfg.seed,
-                                  amp=cfg.distributed.amp, device=self.device,
+                                  scaler=self.precision.grad_scaler(), device=self.device,
                                   adasum=cfg.distributed.reduction == "adasum")
 
         error = None
@@ -207,7 +211,7 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, cfg.logging.tensorboard, cfg.logging.console)
         self.logger.note(
             f"{topo.size} rank(s) on {topo.cross_size} node(s), {self.threads} thread(s)/rank, "
-            f"device {self.device}, env {cfg.env.id} ({cfg.env.backend}), "
+            f"device {self.device}, precision {self.precision.mode}, {self._runtime_note()}, env {cfg.env.id} ({cfg.env.backend}), "
             f"global batch {cfg.global_batch_size(topo.size)}")
         if info["path"]:
             line = (f"resuming from {info['path']} at iteration {info['iteration']}, "
@@ -269,27 +273,26 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+        clock_before = (dist.CLOCK.count, dist.CLOCK.seconds)
         last_value, rollout_times, episodes = self.collector.collect(num_steps)
         batch = self.buffer.to_batch(last_value, ppo.gamma, ppo.gae_lambda, num_steps)
         inject = cfg.debug.nan_at_iteration == iteration and cfg.debug.nan_rank == topo.rank
         self.learner.loss_hook = (lambda loss: loss * float("nan")) if inject else None
-        stats = self.learner.update(batch, iteration, topo.rank * num_envs, num_envs,
-                                    topo.size * num_envs, num_steps)
+        stats = self.learner.update(batch, iteration, topo.rank * num_envs, num_envs, num_steps,
+                                    stop_requested=lambda: self.preemption.raised)
 
         returns, values = batch.returns.double(), batch.values.double()
         residual = returns - values
+        blocked = dist.CLOCK.seconds - clock_before[1]
         local = [
             stats.policy_loss, stats.value_loss, stats.entropy, stats.old_approx_kl, stats.clipfrac,
-            rollout_times.env, rollout_times.inference, stats.time_update, stats.time_allreduce,
+            rollout_times.env, rollout_times.inference, stats.time_update, blocked,
             float(returns.sum()), float((returns ** 2).sum()), float(residual.sum()),
             float((residual ** 2).sum()), float(returns.numel()),
             1.0 if self.preemption.raised else 0.0,
         ]
-        t0 = time.perf_counter()
-        sums = dist.allreduce_sum(local, name="iteration.metrics")
-        episode_rows = np.array([episodes.returns, episodes.lengths], dtype=np.float64).T.reshape(-1, 2)
-        all_episodes = dist.allgather_rows(episode_rows, name="iteration.episodes")
-        metrics_wait = time.perf_counter() - t0
+        per_rank, all_episodes = self._gather_iteration(local, episodes)
+        collectives = dist.CLOCK.count - clock_before[0]
         if cfg.debug.iteration_sleep:
             time.sleep(cfg.debug.iteration_sleep)
 
@@ -297,10 +300,15 @@ class Trainer:
         progress.global_step += global_batch
         wall = time.perf_counter() - t_start
         n = topo.size
+        sums = per_rank.sum(axis=0)
         mean = sums / n
         count = sums[13]
         var_y = sums[10] / count - (sums[9] / count) ** 2
         var_res = sums[12] / count - (sums[11] / count) ** 2
+        # Time blocked in collectives: the fastest rank's is communication (it never waited for
+        # anybody); what the others spent beyond that was waiting for slower ranks.
+        comm = float(per_rank[:, 8].min())
+        waits = per_rank[:, 8] - comm
         record = {
             "iteration": iteration, "global_step": progress.global_step, "world_size": n,
             "sps": global_batch / wall, "sps_per_rank": global_batch / n / wall,
@@ -311,8 +319,10 @@ class Trainer:
             "approx_kl": stats.approx_kl, "old_approx_kl": mean[3], "clipfrac": mean[4],
             "explained_variance": float(1.0 - var_res / var_y) if var_y > 0 else None,
             "learning_rate": lr, "epochs_run": stats.epochs_run, "grad_norm": stats.grad_norm,
+            "precision": self.precision.mode, "collectives": collectives,
             "time_env": mean[5], "time_inference": mean[6], "time_update": mean[7],
-            "time_allreduce": mean[8] + metrics_wait, "time_iteration": wall,
+            "time_allreduce": comm, "time_wait": float(waits.mean()), "time_iteration": wall,
+            "time_wait_by_rank": [float(w) for w in waits],
         }
         if not np.all(np.isfinite(sums[:5])):
             raise NonFiniteLossError(f"non-finite loss at iteration {iteration}; stopping all ranks")
@@ -324,12 +334,34 @@ class Trainer:
             done = progress.global_step - self._start_step
             eta = (ppo.total_timesteps - progress.global_step) * elapsed / done if done else float("nan")
             logger.log(record, ppo.total_timesteps, eta)
-        return record, bool(sums[14] > 0)
+        return record, stats.stop_requested or bool(sums[14] > 0)
+
+    @staticmethod
+    def _gather_iteration(local: list[float], episodes: Any) -> tuple[np.ndarray, np.ndarray]:
+        """ONE allgather per iteration: every rank's metric vector and its finished episodes.
+
+        Rows are [kind, values...]: kind 0 holds the rank's metrics (ranks in order), kind 1 an
+        episode (return, length). Returns (metrics [ranks, len(local)], episodes [n, 2]).
+        """
+        width = len(local) + 1
+        rows = np.zeros((1 + len(episodes.returns), width), dtype=np.float64)
+        rows[0, 1:] = local
+        if episodes.returns:
+            rows[1:, 0] = 1.0
+            rows[1:, 1] = episodes.returns
+            rows[1:, 2] = episodes.lengths
+        gathered = dist.allgather_rows(rows, name="iteration.metrics")
+        kinds = gathered[:, 0]
+        return gathered[kinds == 0, 1:], gathered[kinds == 1, 1:3]
 
     def iterate(self) -> dict[str, Any]:
         """One iteration outside the training loop (used by benchmarks); returns its metrics."""
         self._ensure_envs(self.progress)
         return self._iteration(self.progress)[0]
+
+    def _runtime_note(self) -> str:
+        return ", ".join(f"{name}={os.environ.get(name, 'unset')}"
+                         for name in (dist.YIELD_VAR, dist.CYCLE_VAR))
 
     def _logger(self) -> MetricsLogger:
         if self.logger is None:  # elastic: this process may have become rank 0 after a reset
@@ -355,6 +387,7 @@ class Trainer:
                 "signature": self.signature, "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scaler": self.learner.scaler.state_dict() if self.learner.scaler else {},
+                "precision": self.precision.mode,
                 "lr_schedule": {"global_step": progress.global_step,
                                 "total_timesteps": self.cfg.ppo.total_timesteps},
                 "rng": {"torch": rng, "cuda": cuda_rng}, "saved_at": time.time(),
@@ -421,6 +454,8 @@ class Trainer:
         topo = dist.topology()
         return {"ranks": topo.size, "nodes": topo.cross_size, "ranks_per_node": topo.local_size,
                 "threads_per_rank": self.threads, "device": str(self.device),
+                "precision": self.precision.mode,
+                "runtime_settings": {name: os.environ.get(name) for name in (dist.YIELD_VAR, dist.CYCLE_VAR)},
                 "cpus_per_node": os.cpu_count(), "hostnames": sorted(set(hostnames)),
                 "versions": {"python": platform.python_version(), "torch": torch.__version__,
                              "horovod": horovod.__version__}}

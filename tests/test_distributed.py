@@ -45,11 +45,18 @@ def test_broadcast_makes_parameters_and_optimizer_state_identical():
     assert r["moments"][0] == r["moments"][1]  # rank 1's perturbed Adam moments were overwritten
 
 
-def _update(tmp_path, np_, kind, norm, compression="none", micro_batches=1):
-    out = tmp_path / f"{kind}-{np_}-{norm}-{compression}-{micro_batches}.pt"
-    check(run(mpirun_cmd(np_, PYTHON, WORKERS / "equivalence.py", out, kind, norm, compression, micro_batches),
-              timeout=180))
+def _update(tmp_path, np_, kind, norm, compression="none", micro_batches=1, amp="off"):
+    out = tmp_path / f"{kind}-{np_}-{norm}-{compression}-{micro_batches}-{amp}.pt"
+    check(run(mpirun_cmd(np_, PYTHON, WORKERS / "equivalence.py", out, kind, norm, compression, micro_batches,
+                         amp), timeout=180))
     return torch.load(out, weights_only=True)
+
+
+def _relative_update_error(reference, other):
+    """|| update(other) - update(reference) || / || update(reference) || over all parameters."""
+    diff = sum(((other["params"][k] - reference["params"][k]).double() ** 2).sum() for k in reference["params"])
+    size = sum(((reference["params"][k] - reference["initial"][k]).double() ** 2).sum() for k in reference["params"])
+    return float((diff / size) ** 0.5)
 
 
 def _max_diff(a, b):
@@ -82,3 +89,16 @@ def test_fp16_compression_stays_close_but_not_exact(tmp_path):
     one = _update(tmp_path, 1, "mlp", "global")
     fp16 = _update(tmp_path, 2, "mlp", "global", compression="fp16")
     assert 0 < _max_diff(one, fp16) < 1e-2
+
+
+def test_bf16_two_ranks_stay_close_to_one_process(tmp_path):
+    """bf16 is not bit-exact: rounding depends on how the batch is split. Over 24 Adam steps on
+    noise inputs the 2-rank bf16 update differs from the 1-process bf16 update by less than bf16
+    differs from fp32 (measured: 0.19 vs 0.31 relative), while fp32 stays exact (6e-7)."""
+    one = _update(tmp_path, 1, "cnn", "global", amp="bf16")
+    two = _update(tmp_path, 2, "cnn", "global", amp="bf16")
+    fp32 = _update(tmp_path, 1, "cnn", "global")
+    split_error = _relative_update_error(one, two)
+    precision_error = _relative_update_error(fp32, one)
+    assert 0 < split_error < 0.3 and split_error < precision_error
+    assert abs(one["kl"] - two["kl"]) < 2e-3 and abs(one["kl"] - fp32["kl"]) < 3e-3

@@ -94,21 +94,22 @@ def test_ppo_loss_matches_reference(clip_vloss):
 
 def test_minibatches_are_a_partition_and_independent_of_rank_layout():
     T, E_global, M = 16, 8, 4
-    whole = minibatch_indices(7, 3, 1, 0, E_global, E_global, T, M)
+    whole = minibatch_indices(7, 3, 1, 0, E_global, T, M)
     assert sorted(np.concatenate(whole).tolist()) == list(range(T * E_global))
     assert len({len(mb) for mb in whole}) == 1
-    for ranks in (2, 4):
-        local = E_global // ranks
-        shares = [minibatch_indices(7, 3, 1, r * local, local, E_global, T, M) for r in range(ranks)]
+    for shares_per_rank in ([4, 4], [2, 2, 2, 2], [3, 5], [1, 6, 1]):  # even and uneven layouts
+        firsts = np.cumsum([0] + shares_per_rank[:-1])
+        shares = [minibatch_indices(7, 3, 1, f, n, T, M) for f, n in zip(firsts, shares_per_rank)]
         for k in range(M):
-            # Map each rank's local flat index (t * local + e) to the global one (t * E + r * local + e).
-            union = sorted(int((i // local) * E_global + r * local + i % local)
-                           for r in range(ranks) for i in shares[r][k])
+            # Map each rank's local flat index (t * n + e) to the global one (t * E + first + e).
+            union = sorted(int((i // n) * E_global + f + i % n)
+                           for f, n, share in zip(firsts, shares_per_rank, shares) for i in share[k])
             assert union == sorted(whole[k].tolist())
-            assert len({len(shares[r][k]) for r in range(ranks)}) == 1  # equal sizes on all ranks
+            for n, share in zip(shares_per_rank, shares):
+                assert len(share[k]) == n * T // M  # each env contributes T / M steps
 
 
 def test_minibatch_order_changes_with_epoch_and_iteration():
-    a = minibatch_indices(1, 1, 0, 0, 4, 4, 16, 4)[0]
-    assert not np.array_equal(a, minibatch_indices(1, 1, 1, 0, 4, 4, 16, 4)[0])
-    assert not np.array_equal(a, minibatch_indices(1, 2, 0, 0, 4, 4, 16, 4)[0])
+    a = minibatch_indices(1, 1, 0, 0, 4, 16, 4)[0]
+    assert not np.array_equal(a, minibatch_indices(1, 1, 1, 0, 4, 16, 4)[0])
+    assert not np.array_equal(a, minibatch_indices(1, 2, 0, 0, 4, 16, 4)[0])

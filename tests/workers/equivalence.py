@@ -1,6 +1,6 @@
 """Worker: PPO update on a fixed global rollout batch; each rank takes its slice of environments.
 
-usage: equivalence.py OUT.pt {mlp|cnn} {global|local} [compression] [backward_passes_per_step]
+usage: equivalence.py OUT.pt {mlp|cnn} {global|local} [compression] [backward_passes_per_step] [amp]
 Rank 0 saves the updated parameters; the test compares 1 process with 2 ranks.
 """
 import sys
@@ -13,10 +13,12 @@ from hvd_rl import distributed as dist
 from hvd_rl.config import ModelConfig, PPOConfig
 from hvd_rl.models import build_model
 from hvd_rl.ppo import Batch, PPOLearner
+from hvd_rl.precision import Precision
 
 out, kind, norm = sys.argv[1], sys.argv[2], sys.argv[3]
 compression = sys.argv[4] if len(sys.argv) > 4 else "none"
 micro_batches = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+amp = sys.argv[6] if len(sys.argv) > 6 else "off"
 topo = dist.init()
 torch.set_num_threads(1)
 T, E_GLOBAL = 16, 4
@@ -29,6 +31,7 @@ action_space = gym.spaces.Discrete(4)
 
 torch.manual_seed(0)
 model = build_model(ModelConfig(kind="nature_cnn" if kind == "cnn" else "mlp"), obs_space, action_space)
+model.precision = Precision(amp, "cpu")
 cfg = PPOConfig(num_steps=T, num_minibatches=4, update_epochs=3, clip_coef=0.1, max_grad_norm=0.5,
                 global_advantage_norm=(norm == "global"), learning_rate=1e-3,
                 backward_passes_per_step=micro_batches)
@@ -36,6 +39,7 @@ optimizer = dist.distributed_optimizer(torch.optim.Adam(model.parameters(), lr=c
                                        model, reduction="average", compression=compression,
                                        backward_passes_per_step=micro_batches)
 dist.broadcast_state(model, optimizer, has_optimizer_state=False)
+initial = {k: v.clone() for k, v in model.state_dict().items()}
 
 # The fixed global batch, [T, E_GLOBAL, ...], identical on every rank.
 rng = np.random.default_rng(123)
@@ -61,8 +65,8 @@ batch = Batch(obs=mine(obs), actions=mine(actions), logprobs=mine(logp), values=
               advantages=mine(advantages), returns=mine(returns))
 learner = PPOLearner(model, optimizer, cfg, seed=5)
 for iteration in (1, 2):
-    stats = learner.update(batch, iteration, topo.rank * local, local, E_GLOBAL, T)
+    stats = learner.update(batch, iteration, topo.rank * local, local, T)
 agree, _ = dist.parameters_agree(model, "final")
 assert agree, "ranks disagree"
 if topo.rank == 0:
-    torch.save({"params": model.state_dict(), "kl": stats.approx_kl}, out)
+    torch.save({"params": model.state_dict(), "initial": initial, "kl": stats.approx_kl}, out)

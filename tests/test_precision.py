@@ -1,0 +1,70 @@
+"""Mixed precision: the rollout and the learner see the same numbers; 'auto' picks sensibly."""
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from hvd_rl.config import ModelConfig
+from hvd_rl.models import InferencePolicy, build_model
+from hvd_rl.ppo import logprob_and_entropy
+from hvd_rl.precision import Precision, PrecisionError, cpu_has_native_bf16, resolve_amp
+
+FRAMES = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+
+
+def _cnn(mode: str):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(kind="nature_cnn"), FRAMES, gym.spaces.Discrete(4))
+    model.precision = Precision(mode, "cpu")
+    return model
+
+
+@pytest.mark.parametrize("mode", ["off", "bf16"])
+def test_rollout_logprobs_equal_the_learners_so_the_first_ratio_is_one(mode):
+    """Rollout: batches of 8 through the inference copy. Learner: a shuffled minibatch of 64
+    through the training model under autocast. Same precision -> ratio 1 up to kernel rounding."""
+    model = _cnn(mode)
+    policy = InferencePolicy(model)
+    obs = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (128, 4, 84, 84), dtype=np.uint8))
+    actions = torch.arange(128) % 4
+    with torch.no_grad():
+        rollout = torch.cat([logprob_and_entropy(policy(obs[i:i + 8])[0], actions[i:i + 8])[0]
+                             for i in range(0, 128, 8)])
+        order = torch.randperm(128, generator=torch.Generator().manual_seed(1))[:64]
+        learner = logprob_and_entropy(model(obs[order])[0], actions[order])[0]
+    ratio = torch.exp(learner - rollout[order])
+    assert (ratio - 1).abs().max().item() < (1e-5 if mode == "off" else 1e-2)
+    if mode == "bf16":  # and the precision really changed the numbers
+        with torch.no_grad():
+            fp32 = _cnn("off")(obs[:8])[0]
+        assert (policy(obs[:8])[0] - fp32).abs().max().item() > 0
+
+
+def test_inference_copy_computes_exactly_what_autocast_computes():
+    model = _cnn("bf16")
+    policy = InferencePolicy(model)
+    assert next(policy.model.parameters()).dtype == torch.bfloat16
+    obs = torch.randint(0, 256, (8, 4, 84, 84), dtype=torch.uint8)
+    with torch.no_grad():
+        for a, b in zip(model(obs), policy(obs)):
+            assert torch.equal(a, b)
+        for p in model.parameters():  # a learner step happened: the copy follows after sync()
+            p.add_(0.01)
+        stale = policy(obs)[0]
+        policy.sync()
+        assert not torch.equal(stale, policy(obs)[0])
+        assert torch.equal(model(obs)[0], policy(obs)[0])
+
+
+def test_fp32_inference_uses_the_training_model_itself():
+    model = _cnn("off")
+    assert InferencePolicy(model).model is model
+
+
+def test_auto_precision_choices():
+    cpu = torch.device("cpu")
+    assert resolve_amp("auto", cpu, convolutional=False) == "off"  # MLPs: autocast only costs
+    assert resolve_amp("auto", cpu, convolutional=True) == ("bf16" if cpu_has_native_bf16() else "off")
+    assert resolve_amp("bf16", cpu, convolutional=False) == "bf16"
+    with pytest.raises(PrecisionError, match="needs a CUDA device"):
+        resolve_amp("fp16", cpu, convolutional=True)
