@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+EPISODES_FILE = "episodes.jsonl"  # one row per finished game: global_step, return, length
 
 
 def _clean(value: Any) -> Any:
@@ -18,9 +19,9 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The run's metrics rows; a torn last line (a crash mid-write) is skipped."""
-    path = Path(run_dir) / METRICS_FILE
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines file; a torn last line (a crash mid-write) is skipped."""
+    path = Path(path)
     if not path.exists():
         return []
     rows = []
@@ -32,15 +33,29 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def truncate_metrics(run_dir: str | Path, last_iteration: int) -> None:
-    """On resume, drop lines from iterations after the checkpoint (they will be run again)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return
-    kept = [row for row in read_metrics(run_dir) if row.get("iteration", 0) <= last_iteration]
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The run's metrics rows; a torn last line (a crash mid-write) is skipped."""
+    return read_jsonl(Path(run_dir) / METRICS_FILE)
+
+
+def read_episodes(run_dir: str | Path) -> list[dict[str, Any]]:
+    return read_jsonl(Path(run_dir) / EPISODES_FILE)
+
+
+def _rewrite(path: Path, rows: list[dict[str, Any]]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
     os.replace(tmp, path)
+
+
+def truncate_metrics(run_dir: str | Path, last_iteration: int, last_global_step: int | None = None) -> None:
+    """On resume, drop rows from iterations after the checkpoint (they will be run again)."""
+    path = Path(run_dir) / METRICS_FILE
+    if path.exists():
+        _rewrite(path, [row for row in read_metrics(run_dir) if row.get("iteration", 0) <= last_iteration])
+    episodes = Path(run_dir) / EPISODES_FILE
+    if episodes.exists() and last_global_step is not None:
+        _rewrite(episodes, [row for row in read_episodes(run_dir) if row.get("global_step", 0) <= last_global_step])
 
 
 def format_duration(seconds: float) -> str:
@@ -58,6 +73,7 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, console: bool = True):
         self.run_dir = Path(run_dir)
         self._jsonl = open(self.run_dir / METRICS_FILE, "a", buffering=1)
+        self._episodes = open(self.run_dir / EPISODES_FILE, "a", buffering=1)
         self._console = console
         self._tb = None
         if tensorboard:
@@ -85,12 +101,21 @@ class MetricsLogger:
                   f"{record['sps']:8.0f} SPS | {ret_text} | kl {record['approx_kl']:.4f} | "
                   f"ETA {format_duration(eta_seconds)}", flush=True)
 
+    def episodes(self, global_step: int, returns: Any, lengths: Any) -> None:
+        """Every game finished in an iteration (all ranks), stamped with the iteration's end step."""
+        if len(returns):
+            self._episodes.write("".join(
+                json.dumps({"global_step": global_step, "return": float(r), "length": int(n)}) + "\n"
+                for r, n in zip(returns, lengths)))
+            self._episodes.flush()
+
     def note(self, message: str) -> None:
         if self._console:
             print(f"[hvd_rl] {message}", flush=True)
 
     def close(self) -> None:
         self._jsonl.close()
+        self._episodes.close()
         if self._tb is not None:
             self._tb.close()
 

@@ -203,7 +203,7 @@ class Trainer:
         """Rank 0, once every check passed: only now are existing run files touched."""
         cfg, topo = self.cfg, self.topo
         # Metrics of iterations after the checkpoint will be produced again: drop them.
-        truncate_metrics(self.run_dir, info["iteration"])
+        truncate_metrics(self.run_dir, info["iteration"], info["global_step"])
         (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
         tmp = self.run_dir / ".config.toml.tmp"
         tmp.write_text(cfg.to_toml())
@@ -334,6 +334,7 @@ class Trainer:
             done = progress.global_step - self._start_step
             eta = (ppo.total_timesteps - progress.global_step) * elapsed / done if done else float("nan")
             logger.log(record, ppo.total_timesteps, eta)
+            logger.episodes(progress.global_step, all_episodes[:, 0], all_episodes[:, 1])
         return record, stats.stop_requested or bool(sums[14] > 0)
 
     @staticmethod
