@@ -5,10 +5,10 @@ from setuptools import find_packages, setup
 # Horovod is built from source by scripts/setup.sh (C++17 patch for PyTorch >= 2.1); pip then
 # only sees it as satisfied. torch is left open so GPU sites can bring their CUDA build.
 INSTALL_REQUIRES = [
-    "torch>=2.1",
+    "torch>=2.3",  # torch.amp.GradScaler
     "horovod==0.28.1",
-    "gymnasium>=1.0,<2",
-    "ale-py>=0.11",
+    "gymnasium[mujoco]>=1.0,<2",  # MuJoCo environments (continuous control) with the mujoco package
+    "ale-py>=0.12",  # 0.11's vector env counts the episode limit in agent steps (4x too long)
     "numpy>=1.24",
     "mpi4py>=3.1",
     "tensorboard>=2.12",

@@ -50,9 +50,8 @@ def run_probes(cfg, steps: int) -> dict[str, float]:
     from hvd_rl import distributed as dist
     from hvd_rl.envs import RankEnvs, env_seeds
     from hvd_rl.models import InferencePolicy, build_model
-    from hvd_rl.ppo import Batch, PPOLearner
+    from hvd_rl.algorithms.ppo import Batch, PPOLearner
     from hvd_rl.precision import precision_for
-    from hvd_rl.rollout import sample_actions
 
     dist.init(cfg.distributed.mpi_yield_when_idle, cfg.distributed.cycle_time_ms)
     torch.set_num_threads(1)
@@ -87,7 +86,7 @@ def run_probes(cfg, steps: int) -> dict[str, float]:
             slot = slots[step % len(slots)]
             slot.copy_(torch.from_numpy(frames[step % 4]))
             logits, _ = policy(slot)
-            sample_actions(logits)[0].numpy()
+            policy.sample(logits)[0].numpy()
     inference_rate = steps * n / (time.perf_counter() - start)
 
     # learner: full PPO updates on a rollout-sized synthetic batch (first update is warm-up)

@@ -2,8 +2,13 @@
 
 Layout under <run_dir>/checkpoints/:
     ckpt_00000120.pt     torch.save of plain containers and tensors (loaded with weights_only=True)
-    ckpt_00000120.json   manifest: sha256 and size of the .pt, iteration, global step
+    ckpt_00000120.json   manifest: sha256 and size of the .pt, iteration, global step, and a
+                         sequence number that orders checkpoints by when they were written
     latest.pt            symlink to the newest complete checkpoint
+
+"Newest" is by sequence, not by iteration: after a deliberate rollback (`--resume` from an older
+checkpoint) the new branch's checkpoints are newer than the abandoned branch's higher-numbered
+ones, and `--resume auto` and pruning must follow the new branch.
 
 Write order: .pt to a temporary file + fsync, manifest (atomic), rename the .pt into place,
 fsync the directory, move `latest.pt`, prune. A crash at any point leaves either the previous
@@ -22,9 +27,11 @@ from typing import Any
 
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: algorithm-independent layout ("algorithm", "state", "env_counts")
 REQUIRED_KEYS = ("format_version", "iteration", "global_step", "seed_offset", "world_size",
-                 "envs_per_rank", "config", "signature", "model", "optimizer", "rng")
+                 "env_counts", "config", "signature", "state", "rng")
+_V1_KEYS = ("format_version", "iteration", "global_step", "seed_offset", "world_size",
+            "envs_per_rank", "config", "signature", "model", "optimizer", "rng")
 _NAME = re.compile(r"^ckpt_(\d{8,})\.pt$")
 
 
@@ -76,6 +83,7 @@ def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int) -> Pa
             "file": final.name, "sha256": _sha256(tmp), "bytes": tmp.stat().st_size,
             "iteration": state["iteration"], "global_step": state["global_step"],
             "format_version": FORMAT_VERSION, "written_at": time.time(),
+            "sequence": 1 + max((_sequence(p) for p in list_checkpoints(run_dir)), default=0),
         }
         _atomic_write_text(final.with_suffix(".json"), json.dumps(manifest, indent=1))
         os.replace(tmp, final)
@@ -93,22 +101,45 @@ def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int) -> Pa
     return final
 
 
+def _sequence(path: Path) -> int:
+    """Write order of a checkpoint: its manifest's sequence (older runs: the iteration)."""
+    try:
+        manifest = json.loads(path.with_suffix(".json").read_text())
+        return int(manifest.get("sequence", manifest.get("iteration", 0)))
+    except (OSError, ValueError):
+        match = _NAME.match(path.name)
+        return int(match.group(1)) if match else 0
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Checkpoint files, newest (highest iteration) first."""
+    """Checkpoint files, newest (last written) first."""
     directory = checkpoint_dir(run_dir)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found, reverse=True)]
+    found = [p for p in directory.iterdir() if _NAME.match(p.name)]
+    return sorted(found, key=lambda p: (_sequence(p), p.name), reverse=True)
 
 
 def prune(directory: Path, keep: int) -> None:
+    """Keeps the `keep` newest checkpoints (never the one just written: it is the newest)."""
     for old in list_checkpoints(directory.parent)[keep:]:
         old.unlink(missing_ok=True)
         old.with_suffix(".json").unlink(missing_ok=True)
     for manifest in directory.glob("ckpt_*.json"):  # manifests whose .pt never landed
         if not manifest.with_suffix(".pt").exists():
             manifest.unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
+    """Deletes temporary files a crashed writer left behind (rank 0, before a run starts)."""
+    removed = []
+    for directory in (checkpoint_dir(run_dir), Path(run_dir)):
+        if directory.is_dir():
+            for path in directory.glob(".*.tmp*"):
+                if path.is_file() or path.is_symlink():
+                    path.unlink(missing_ok=True)
+                    removed.append(path)
+    return removed
 
 
 def load_checkpoint(path: str | Path, require_manifest: bool = False) -> dict[str, Any]:
@@ -138,13 +169,25 @@ def load_checkpoint(path: str | Path, require_manifest: bool = False) -> dict[st
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc})") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} is not an hvd_rl checkpoint")
+    version = state.get("format_version")
+    if version == 1 and all(k in state for k in _V1_KEYS):
+        return _from_v1(state)
     missing = [k for k in REQUIRED_KEYS if k not in state]
     if missing:
         raise CheckpointError(f"{path} is not an hvd_rl checkpoint (missing {', '.join(missing)})")
-    if state["format_version"] != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} has checkpoint format {state['format_version']}, this hvd_rl reads {FORMAT_VERSION}")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has checkpoint format {version}, this hvd_rl reads {FORMAT_VERSION}")
     return state
+
+
+def _from_v1(state: dict[str, Any]) -> dict[str, Any]:
+    """Format 1 (PPO only, before the runtime/algorithm split) in the current layout."""
+    converted = {k: v for k, v in state.items() if k not in ("model", "optimizer", "scaler", "envs_per_rank")}
+    converted.update(format_version=FORMAT_VERSION, algorithm="ppo",
+                     env_counts=[int(state["envs_per_rank"])] * int(state["world_size"]),
+                     state={"model": state["model"], "optimizer": state["optimizer"],
+                            "scaler": state.get("scaler") or {}})
+    return converted
 
 
 def find_resumable(run_dir: str | Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
@@ -164,7 +207,9 @@ def check_compatible(state: dict[str, Any], signature: dict[str, Any], env_id: s
     their_env = state["config"].get("env", {}).get("id")
     if their_env != env_id:
         raise CheckpointError(f"checkpoint was trained on {their_env!r}, this run uses {env_id!r}")
-    for key in ("observation_shape", "observation_dtype", "num_actions"):
+    for key in ("observation_shape", "observation_dtype", "num_actions", "action_shape"):
+        if key == "action_shape" and key not in theirs:  # format 1: discrete actions only
+            continue
         if theirs.get(key) != signature[key]:
             raise CheckpointError(
                 f"checkpoint {key} is {theirs.get(key)}, this run's is {signature[key]}")

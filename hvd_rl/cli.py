@@ -116,30 +116,35 @@ def error_exit(message: str, code: int) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from hvd_rl.config import ConfigError
-    from hvd_rl import trainer as T
+    from hvd_rl import runtime as R
 
     try:
         cfg = _load_train_config(args)  # before hvd.init: a bad config fails the same on every rank
     except ConfigError as exc:
-        return error_exit(str(exc), T.EXIT_BAD_INPUT)
+        return error_exit(str(exc), R.EXIT_BAD_INPUT)
     if args.check_config:
         print(cfg.to_toml(), end="")
         return 0
+    from hvd_rl.algorithms.base import UnsupportedSetup
     from hvd_rl.checkpoint import CheckpointError
     from hvd_rl.distributed import CollectiveError, LaunchError
+    from hvd_rl.models import ModelError
     from hvd_rl.precision import PrecisionError
 
     try:
-        trainer = T.Trainer(cfg, resume=args.resume)
-        trainer.train_elastic() if args.elastic else trainer.train()
-    except (CollectiveError, CheckpointError, ConfigError, LaunchError, PrecisionError) as exc:
-        return error_exit(str(exc), T.EXIT_BAD_INPUT)
-    except T.NonFiniteLossError as exc:
-        return error_exit(str(exc), T.EXIT_NONFINITE)
-    except T.Preempted as exc:
+        # Errors before the first collective (config, model/observation mismatch, precision,
+        # launch) are deterministic: every rank raises the same one and exits 2 on its own.
+        runtime = R.Runtime(cfg, resume=args.resume)
+        runtime.train_elastic() if args.elastic else runtime.train()
+    except (CollectiveError, CheckpointError, ConfigError, LaunchError, PrecisionError, ModelError,
+            UnsupportedSetup, R.BadInput) as exc:
+        return error_exit(str(exc), R.EXIT_BAD_INPUT)
+    except R.NonFiniteLossError as exc:
+        return error_exit(str(exc), R.EXIT_NONFINITE)
+    except R.Preempted as exc:
         print(f"{_rank_prefix()}hvd-rl: {exc}", file=sys.stderr, flush=True)
-        return T.EXIT_PREEMPTED
-    return T.EXIT_OK
+        return R.EXIT_PREEMPTED
+    return R.EXIT_OK
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:

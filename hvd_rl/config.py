@@ -66,6 +66,38 @@ class PPOConfig:
     max_grad_norm: float = 0.5  # 0 disables clipping
     target_kl: float = 0.0  # 0 disables KL early stopping
     backward_passes_per_step: int = 1  # micro-batches per minibatch, one allreduce per minibatch
+    # CleanRL's ppo_continuous_action preprocessing. Statistics are merged over all ranks once
+    # per iteration (so every rank normalises identically) and frozen during a rollout.
+    normalize_observations: bool = False  # running mean/std of observations
+    normalize_rewards: bool = False  # scale rewards by the std of the discounted return
+    observation_clip: float = 10.0  # normalised observations are clipped to +-this
+    reward_clip: float = 10.0  # scaled rewards are clipped to +-this
+
+
+@dataclass
+class DQNConfig:
+    """CleanRL's dqn.py defaults (CartPole); configs/atari_dqn.toml has dqn_atari.py's."""
+
+    total_timesteps: int = 500_000  # global environment steps, all ranks together
+    learning_rate: float = 2.5e-4
+    adam_eps: float = 1e-8
+    buffer_size: int = 10_000  # transitions over all ranks; each rank's shard holds its share
+    gamma: float = 0.99
+    tau: float = 1.0  # target network update rate (1 = hard copy)
+    target_network_frequency: int = 500  # global env steps between target updates
+    batch_size: int = 128  # samples per gradient update over all ranks (each rank draws its share)
+    start_e: float = 1.0
+    end_e: float = 0.05
+    exploration_fraction: float = 0.5  # of total_timesteps to anneal epsilon over
+    learning_starts: int = 10_000  # global env steps of experience before learning (also after a
+    #                                resume without the replay shards: they refill first)
+    train_frequency: int = 10  # global env steps per gradient update: replay ratio 1/train_frequency
+    steps_per_iteration: int = 1000  # global env steps per iteration (one metrics row)
+    max_grad_norm: float = 0.0  # 0: no clipping (CleanRL)
+    apex_epsilon: bool = False  # Ape-X: env i of N explores with eps^(1 + alpha i / (N - 1))
+    apex_base_epsilon: float = 0.4
+    apex_alpha: float = 7.0
+    checkpoint_replay: bool = False  # also write each rank's replay shard at every checkpoint
 
 
 @dataclass
@@ -110,13 +142,25 @@ class DebugConfig:
 class TrainConfig:
     seed: int = 1
     run_dir: str = "runs/default"
+    algorithm: str = "ppo"  # ppo (discrete or continuous actions) | dqn
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    dqn: DQNConfig = field(default_factory=DQNConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+
+    @property
+    def algorithm_config(self) -> Any:
+        """The section of the chosen algorithm ([ppo] or [dqn])."""
+        return getattr(self, self.algorithm)
+
+    @property
+    def total_timesteps(self) -> int:
+        """Global environment steps of the whole run, all ranks together."""
+        return self.algorithm_config.total_timesteps
 
     # Derived sizes (per rank unless stated).
     @property
@@ -261,6 +305,7 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
 
 
 BACKENDS = ("sync", "async", "ale_vector")
+ALGORITHMS = ("ppo", "dqn")
 AMP_MODES = ("off", "auto", "bf16", "fp16")  # see hvd_rl/precision.py
 MODEL_KINDS = ("auto", "nature_cnn", "mlp")
 
@@ -274,6 +319,7 @@ def validate(cfg: TrainConfig) -> None:
             problems.append(message)
 
     e, p, d = cfg.env, cfg.ppo, cfg.distributed
+    need(cfg.algorithm in ALGORITHMS, f"algorithm must be one of {ALGORITHMS}, got {cfg.algorithm!r}")
     need(e.backend in BACKENDS, f"env.backend must be one of {BACKENDS}, got {e.backend!r}")
     for name in ("num_envs", "frame_skip", "frame_stack", "screen_size"):
         need(getattr(e, name) > 0, f"env.{name} must be positive, got {getattr(e, name)}")
@@ -294,6 +340,7 @@ def validate(cfg: TrainConfig) -> None:
         need(getattr(p, name) >= 0, f"ppo.{name} must be >= 0, got {getattr(p, name)}")
     need(0.0 <= p.gamma <= 1.0, f"ppo.gamma must be in [0, 1], got {p.gamma}")
     need(0.0 <= p.gae_lambda <= 1.0, f"ppo.gae_lambda must be in [0, 1], got {p.gae_lambda}")
+    need(p.observation_clip > 0 and p.reward_clip > 0, "ppo.observation_clip and ppo.reward_clip must be positive")
     if p.num_steps > 0 and p.num_minibatches > 0:
         # Minibatches are drawn per environment (see ppo.minibatch_indices), which is what makes
         # N ranks compute exactly the same update as one process.
@@ -306,6 +353,17 @@ def validate(cfg: TrainConfig) -> None:
                  f"ppo.num_minibatches) must be divisible by ppo.backward_passes_per_step "
                  f"({p.backward_passes_per_step})")
 
+    q = cfg.dqn
+    for name in ("total_timesteps", "buffer_size", "target_network_frequency", "batch_size",
+                 "train_frequency", "steps_per_iteration"):
+        need(getattr(q, name) > 0, f"dqn.{name} must be positive, got {getattr(q, name)}")
+    need(q.learning_rate > 0 and q.adam_eps > 0, "dqn.learning_rate and dqn.adam_eps must be positive")
+    need(0.0 < q.tau <= 1.0, f"dqn.tau must be in (0, 1], got {q.tau}")
+    need(0.0 <= q.gamma <= 1.0, f"dqn.gamma must be in [0, 1], got {q.gamma}")
+    for name in ("start_e", "end_e", "exploration_fraction", "apex_base_epsilon"):
+        need(0.0 <= getattr(q, name) <= 1.0, f"dqn.{name} must be in [0, 1], got {getattr(q, name)}")
+    need(q.learning_starts >= 0 and q.max_grad_norm >= 0 and q.apex_alpha >= 0,
+         "dqn.learning_starts, dqn.max_grad_norm and dqn.apex_alpha must be >= 0")
     need(d.reduction in ("average", "adasum"),
          f"distributed.reduction must be 'average' or 'adasum', got {d.reduction!r}")
     need(d.compression in ("none", "fp16"),

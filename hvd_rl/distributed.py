@@ -269,6 +269,13 @@ def parameters_agree(module: torch.nn.Module, name: str) -> tuple[bool, list[int
     return len(set(values)) == 1, values
 
 
+def broadcast_module(module: torch.nn.Module, name: str) -> None:
+    """Rank 0's parameters and buffers of a module that has no optimizer (e.g. a target network)."""
+    handles = [hvd.broadcast_async_(tensor, root_rank=0, name=f"{name}.{key}")
+               for key, tensor in module.state_dict().items()]
+    _timed(len(handles), lambda: [hvd.synchronize(h) for h in handles])
+
+
 def distributed_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
                           reduction: str, compression: str,
                           backward_passes_per_step: int) -> torch.optim.Optimizer:

@@ -12,6 +12,8 @@ is also what ale-py's C++ vector env does. Episode statistics always count whole
 from __future__ import annotations
 
 import functools
+import signal
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -53,15 +55,57 @@ def check_env_id(env_id: str, backend: str) -> str | None:
     return None
 
 
-def env_seeds(base_seed: int, seed_offset: int, rank: int, num_envs: int) -> list[int]:
-    """Seeds for this rank's environments: global env index + offset, so no two envs ever share one.
+@dataclass(frozen=True)
+class EnvLayout:
+    """How many environments each rank owns. Global env indices are assigned in rank order:
+    rank r owns [first(r), first(r) + counts[r])."""
 
-    Rank r owns global envs [r * num_envs, (r + 1) * num_envs). `seed_offset` grows by the global
-    env count every time environments are rebuilt (resume, elastic reset), so a restarted run
-    doesn't replay the episodes it already saw.
+    counts: tuple[int, ...]
+
+    @classmethod
+    def even(cls, world_size: int, per_rank: int) -> "EnvLayout":
+        return cls((per_rank,) * world_size)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.counts)
+
+    def first(self, rank: int) -> int:
+        return sum(self.counts[:rank])
+
+    @property
+    def is_even(self) -> bool:
+        return len(set(self.counts)) == 1
+
+
+def env_seeds(base_seed: int, seed_offset: int, first_env: int, num_envs: int) -> list[int]:
+    """Seeds for environments [first_env, first_env + num_envs) of a build.
+
+    Each seed is drawn from a SeedSequence keyed by (base seed, seed_offset + global env index),
+    so runs with different base seeds do not share environments (plain base + index would make
+    seed=1 and seed=2 overlap in all but one env). `seed_offset` grows by the global env count
+    at every rebuild (resume, elastic reset, rebalancing), so a rebuilt env never replays a seed.
+    31-bit, as ALE takes a signed int; two distinct keys collide with probability 2^-31.
     """
-    first = base_seed + seed_offset + rank * num_envs
-    return list(range(first, first + num_envs))
+    return [int(np.random.SeedSequence([base_seed, seed_offset + index]).generate_state(1)[0] & 0x7FFFFFFF)
+            for index in range(first_env, first_env + num_envs)]
+
+
+def _ignore_preemption_signals() -> None:
+    """In env worker processes: SLURM and mpirun signal every process of a step, and a worker
+    killed by SIGTERM/SIGUSR1 would take its rank down before it can checkpoint. The rank's main
+    process alone decides (collectively) when to stop."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _worker_env(factory: Callable[[], gym.Env]) -> gym.Env:
+    _ignore_preemption_signals()
+    return factory()
 
 
 class FireResetEnv(gym.Wrapper):
@@ -140,6 +184,7 @@ class RankEnvs:
             fns = [factory] * cfg.num_envs
             if cfg.backend == "async":
                 # forkserver: children never inherit MPI/Horovod threads and sockets.
+                fns = [functools.partial(_worker_env, fn) for fn in fns]
                 self.vec = gym.vector.AsyncVectorEnv(
                     fns, shared_memory=True, copy=False, context="forkserver",
                     autoreset_mode=AutoresetMode.SAME_STEP)
@@ -204,4 +249,10 @@ class RankEnvs:
         )
 
     def close(self) -> None:
-        self.vec.close()
+        """Never raises: after a crash, a dead worker's BrokenPipeError must not replace the
+        error that brought the rank down."""
+        try:
+            self.vec.close()
+        except Exception as exc:  # noqa: BLE001
+            print(f"[hvd_rl] warning: closing environments: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)

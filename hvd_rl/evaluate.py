@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from hvd_rl.checkpoint import check_compatible, load_checkpoint
+from hvd_rl import distributed as dist
+from hvd_rl.algorithms import build_algorithm
+from hvd_rl.checkpoint import CheckpointError, check_compatible, load_checkpoint
 from hvd_rl.config import ConfigError, config_from_dict, parse_override, validate
 from hvd_rl.envs import RankEnvs
-from hvd_rl.models import build_model, model_signature
-from hvd_rl.rollout import sample_actions
 
 
 def evaluate_checkpoint(path: str | Path, episodes: int = 10, num_envs: int = 0, seed: int = 10_000,
@@ -34,23 +34,23 @@ def evaluate_checkpoint(path: str | Path, episodes: int = 10, num_envs: int = 0,
                       backend="sync" if cfg.env.backend == "async" else cfg.env.backend)
     envs = RankEnvs(env_cfg, threads=max(1, torch.get_num_threads()))
     try:
-        model = build_model(cfg.model, envs.single_observation_space, envs.single_action_space)
-        check_compatible(state, model_signature(envs.single_observation_space,
-                                                envs.single_action_space, model), cfg.env.id)
-        model.load_state_dict(state["model"])
-        model.eval()
+        dist.init()  # a 1-process world: the algorithm's optimizer wrapper needs Horovod
+        algorithm = build_algorithm(cfg, torch.device("cpu"), 1, envs.single_observation_space,
+                                    envs.single_action_space)
+        if state.get("algorithm", "ppo") != algorithm.name:
+            raise CheckpointError(f"checkpoint algorithm {state.get('algorithm')!r} does not match "
+                                  f"its config's {algorithm.name!r}")
+        check_compatible(state, algorithm.signature(), cfg.env.id)
+        algorithm.load_state_dict(state["state"])
         torch.manual_seed(seed)
         obs = envs.reset(list(range(seed, seed + env_cfg.num_envs)))
         returns: list[float] = []
         lengths: list[int] = []
-        with torch.no_grad():
-            while len(returns) < episodes:
-                logits, _ = model(torch.from_numpy(obs))
-                actions = logits.argmax(-1) if greedy else sample_actions(logits)[0]
-                result = envs.step(actions.numpy())
-                returns.extend(result.episode_returns)
-                lengths.extend(result.episode_lengths)
-                obs = result.obs
+        while len(returns) < episodes:
+            result = envs.step(algorithm.act(obs, greedy))
+            returns.extend(result.episode_returns)
+            lengths.extend(result.episode_lengths)
+            obs = result.obs
     finally:
         envs.close()
     returns, lengths = returns[:episodes], lengths[:episodes]

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
-EPISODES_FILE = "episodes.jsonl"  # one row per finished game: global_step, return, length
+EPISODES_FILE = "episodes.jsonl"
+CONSOLE_EXTRAS = (("approx_kl", "kl"), ("td_loss", "td loss"), ("epsilon", "eps"))  # when present  # one row per finished game: global_step, return, length
 
 
 def _clean(value: Any) -> Any:
@@ -70,7 +71,10 @@ def format_duration(seconds: float) -> str:
 class MetricsLogger:
     """Owned by rank 0 alone; other ranks never create one."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, console: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, console: bool = True,
+                 purge_step: int | None = None):
+        """`purge_step`: on resume, TensorBoard drops the events of steps >= it (the iterations
+        after the checkpoint are run again), as metrics.jsonl is truncated."""
         self.run_dir = Path(run_dir)
         self._jsonl = open(self.run_dir / METRICS_FILE, "a", buffering=1)
         self._episodes = open(self.run_dir / EPISODES_FILE, "a", buffering=1)
@@ -79,7 +83,7 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tb"))
+            self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge_step)
 
     def log(self, record: dict[str, Any], total_timesteps: int, eta_seconds: float) -> None:
         clean = {k: _clean(v) for k, v in record.items()}
@@ -97,8 +101,10 @@ class MetricsLogger:
         if self._console:
             ret = record.get("episodic_return_mean")
             ret_text = f"return {ret:9.2f} ({record['episodes']} ep)" if ret is not None else "return       n/a"
+            learning = "".join(f" | {label} {record[key]:.4f}" for key, label in CONSOLE_EXTRAS
+                               if isinstance(record.get(key), (int, float)))
             print(f"[hvd_rl] it {record['iteration']:5d} | step {step:>11,d}/{total_timesteps:,d} | "
-                  f"{record['sps']:8.0f} SPS | {ret_text} | kl {record['approx_kl']:.4f} | "
+                  f"{record['sps']:8.0f} SPS | {ret_text}{learning} | "
                   f"ETA {format_duration(eta_seconds)}", flush=True)
 
     def episodes(self, global_step: int, returns: Any, lengths: Any) -> None:

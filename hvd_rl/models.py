@@ -20,21 +20,28 @@ def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -
 
 
 class ActorCritic(nn.Module):
-    """Policy head (logits) and value head, on a shared torso or on separate ones.
+    """Policy head and value head, on a shared torso or on separate ones.
 
     CleanRL's recipes: Atari shares the Nature CNN; the MLP agent keeps actor and critic apart,
     because on a shared MLP torso the large early value loss drowns the policy gradient.
+    Discrete actions: the policy head gives logits (categorical). Box actions: it gives the mean
+    of a diagonal Gaussian whose log-std is a state-independent parameter (CleanRL's
+    ppo_continuous_action; no tanh squashing: the collector clips actions to the bounds).
     """
 
-    def __init__(self, torso: nn.Module, feature_dim: int, num_actions: int, input_scale: float,
+    def __init__(self, torso: nn.Module, feature_dim: int, action_space: gym.Space, input_scale: float,
                  critic_torso: nn.Module | None = None):
         super().__init__()
         self.torso = torso
         self.critic_torso = critic_torso
-        self.actor = layer_init(nn.Linear(feature_dim, num_actions), std=0.01)
+        self.continuous = isinstance(action_space, gym.spaces.Box)
+        outputs = int(np.prod(action_space.shape)) if self.continuous else int(action_space.n)
+        self.actor = layer_init(nn.Linear(feature_dim, outputs), std=0.01)
+        if self.continuous:
+            self.log_std = nn.Parameter(torch.zeros(outputs))
         self.critic = layer_init(nn.Linear(feature_dim, 1), std=1.0)
         self.input_scale = input_scale
-        # Set by the trainer; every forward pass (rollout, learner, evaluation) runs under it.
+        # Set by the algorithm; every forward pass (rollout, learner, evaluation) runs under it.
         self.precision = Precision("off", "cpu")
 
     def _prepare(self, obs: torch.Tensor) -> torch.Tensor:
@@ -49,13 +56,14 @@ class ActorCritic(nn.Module):
         return x.mul_(self.input_scale) if x.data_ptr() != obs.data_ptr() else x * self.input_scale
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (logits, value). `obs` may be uint8 frames; scaling happens here, on device."""
+        """Returns (logits or Gaussian mean, value) in fp32. `obs` may be uint8 frames; scaling
+        happens here, on the device."""
         with self.precision.autocast():
             x = self._prepare(obs)
             hidden = self.torso(x)
             critic_hidden = hidden if self.critic_torso is None else self.critic_torso(x)
-            logits, value = self.actor(hidden), self.critic(critic_hidden).squeeze(-1)
-        return logits.float(), value.float()
+            policy, value = self.actor(hidden), self.critic(critic_hidden).squeeze(-1)
+        return policy.float(), value.float()
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         with self.precision.autocast():
@@ -63,6 +71,51 @@ class ActorCritic(nn.Module):
             hidden = self.torso(x) if self.critic_torso is None else self.critic_torso(x)
             value = self.critic(hidden).squeeze(-1)
         return value.float()
+
+    def log_prob_entropy(self, policy: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """log pi(a|s) and the entropy, per sample (summed over action dimensions)."""
+        if not self.continuous:
+            log_probs = torch.log_softmax(policy, dim=-1)
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+            return log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), entropy
+        log_std = self.log_std.float().expand_as(policy)
+        z = (actions - policy) * torch.exp(-log_std)
+        log_prob = (-0.5 * z * z - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
+        entropy = (0.5 + 0.5 * math.log(2 * math.pi) + log_std).sum(-1)
+        return log_prob, entropy
+
+    def sample(self, policy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Actions and their log-probabilities. Categorical via Gumbel-max (one random draw per
+        logit, no softmax normalisation pass); Gaussian via the reparametrised normal."""
+        if not self.continuous:
+            log_probs = torch.log_softmax(policy, dim=-1)
+            gumbel = -torch.log(-torch.log(torch.rand_like(log_probs).clamp_(min=1e-20)))
+            actions = torch.argmax(log_probs + gumbel, dim=-1)
+            return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+        actions = policy + torch.exp(self.log_std.float()) * torch.randn_like(policy)
+        return actions, self.log_prob_entropy(policy, actions)[0]
+
+    def mode(self, policy: torch.Tensor) -> torch.Tensor:
+        """The most likely action (greedy evaluation)."""
+        return policy if self.continuous else policy.argmax(-1)
+
+
+class QNetwork(nn.Module):
+    """Action values on a torso (CleanRL's dqn / dqn_atari networks)."""
+
+    def __init__(self, torso: nn.Module, feature_dim: int, num_actions: int, input_scale: float):
+        super().__init__()
+        self.torso = torso
+        self.head = nn.Linear(feature_dim, num_actions)
+        self.input_scale = input_scale
+        self.precision = Precision("off", "cpu")
+
+    _prepare = ActorCritic._prepare
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        with self.precision.autocast():
+            q = self.head(self.torso(self._prepare(obs)))
+        return q.float()
 
 
 class InferencePolicy:
@@ -75,7 +128,7 @@ class InferencePolicy:
     learner's first PPO ratio stays 1. In fp32 the training model is used directly.
     """
 
-    def __init__(self, model: ActorCritic):
+    def __init__(self, model: nn.Module):
         self.source = model
         self.model = model
         if model.precision.dtype is not None:
@@ -91,11 +144,14 @@ class InferencePolicy:
                 for mine, theirs in zip(self.model.parameters(), self.source.parameters()):
                     mine.copy_(theirs)
 
-    def __call__(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, obs: torch.Tensor):
         return self.model(obs)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.model.value(obs)
+
+    def sample(self, policy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.source.sample(policy)  # the Gaussian's log-std stays fp32
 
 
 def nature_cnn(in_channels: int) -> tuple[nn.Module, int]:
@@ -109,34 +165,60 @@ def nature_cnn(in_channels: int) -> tuple[nn.Module, int]:
     return torso, 512
 
 
-def mlp(in_features: int, hidden_sizes: list[int]) -> tuple[nn.Module, int]:
+def mlp(in_features: int, hidden_sizes: list[int], activation: type[nn.Module] = nn.Tanh,
+        init: bool = True) -> tuple[nn.Module, int]:
     layers: list[nn.Module] = [nn.Flatten()]
     width = in_features
     for size in hidden_sizes:
-        layers += [layer_init(nn.Linear(width, size)), nn.Tanh()]
+        linear = nn.Linear(width, size)
+        layers += [layer_init(linear) if init else linear, activation()]
         width = size
     return nn.Sequential(*layers), width
 
 
-def build_model(cfg: ModelConfig, obs_space: gym.Space, action_space: gym.Space) -> ActorCritic:
-    if not isinstance(action_space, gym.spaces.Discrete):
-        raise ValueError(f"only discrete action spaces are supported, got {action_space}")
+class ModelError(ValueError):
+    """The configured network cannot take this environment's observations or actions."""
+
+
+def _check_spaces(obs_space: gym.Space, action_space: gym.Space, continuous_ok: bool) -> None:
     if not isinstance(obs_space, gym.spaces.Box):
-        raise ValueError(f"only Box observation spaces are supported, got {obs_space}")
-    kind = cfg.kind
+        raise ModelError(f"only Box observation spaces are supported, got {obs_space}")
+    if isinstance(action_space, gym.spaces.Discrete):
+        return
+    if continuous_ok and isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1:
+        return
+    kinds = "Discrete or 1-D Box" if continuous_ok else "Discrete"
+    raise ModelError(f"this algorithm needs {kinds} actions, got {action_space}")
+
+
+def _torso(kind: str, obs_space: gym.Space, cfg: ModelConfig, **mlp_kwargs) -> tuple[nn.Module, int, float]:
     if kind == "auto":
         kind = "nature_cnn" if len(obs_space.shape) == 3 else "mlp"
     if kind == "nature_cnn":
-        if len(obs_space.shape) != 3 or obs_space.shape[1:] != (84, 84):
-            raise ValueError(f"nature_cnn needs (C, 84, 84) observations, got {obs_space.shape}")
+        if len(obs_space.shape) != 3 or tuple(obs_space.shape[1:]) != (84, 84):
+            raise ModelError(f"model.kind 'nature_cnn' needs (C, 84, 84) image observations, but "
+                             f"this environment's observations have shape {tuple(obs_space.shape)}; "
+                             "use model.kind = 'mlp' or 'auto'")
         torso, width = nature_cnn(obs_space.shape[0])
         # Weights stay contiguous (Horovod only reduces contiguous tensors); inputs go channels-last.
-        return ActorCritic(torso, width, int(action_space.n), input_scale=1.0 / 255.0)
-    in_features = int(np.prod(obs_space.shape))
-    actor_torso, width = mlp(in_features, cfg.hidden_sizes)
-    critic_torso, _ = mlp(in_features, cfg.hidden_sizes)
-    return ActorCritic(actor_torso, width, int(action_space.n), input_scale=1.0,
-                       critic_torso=critic_torso)
+        return torso, width, 1.0 / 255.0
+    torso, width = mlp(int(np.prod(obs_space.shape)), cfg.hidden_sizes, **mlp_kwargs)
+    return torso, width, 1.0
+
+
+def build_model(cfg: ModelConfig, obs_space: gym.Space, action_space: gym.Space) -> ActorCritic:
+    _check_spaces(obs_space, action_space, continuous_ok=True)
+    torso, width, scale = _torso(cfg.kind, obs_space, cfg)
+    if scale != 1.0:
+        return ActorCritic(torso, width, action_space, input_scale=scale)
+    critic_torso, _, _ = _torso(cfg.kind, obs_space, cfg)
+    return ActorCritic(torso, width, action_space, input_scale=1.0, critic_torso=critic_torso)
+
+
+def build_q_network(cfg: ModelConfig, obs_space: gym.Space, action_space: gym.Space) -> QNetwork:
+    _check_spaces(obs_space, action_space, continuous_ok=False)
+    torso, width, scale = _torso(cfg.kind, obs_space, cfg, activation=nn.ReLU, init=False)
+    return QNetwork(torso, width, int(action_space.n), input_scale=scale)
 
 
 def model_signature(obs_space: gym.Space, action_space: gym.Space, model: nn.Module) -> dict:
@@ -144,6 +226,7 @@ def model_signature(obs_space: gym.Space, action_space: gym.Space, model: nn.Mod
     return {
         "observation_shape": list(obs_space.shape),
         "observation_dtype": str(obs_space.dtype),
-        "num_actions": int(action_space.n),
+        "num_actions": int(action_space.n) if isinstance(action_space, gym.spaces.Discrete) else None,
+        "action_shape": list(action_space.shape or ()),
         "parameters": {name: list(p.shape) for name, p in model.named_parameters()},
     }

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hvd_rl.config import EnvConfig, ModelConfig
-from hvd_rl.envs import RankEnvs, env_seeds
+from hvd_rl.envs import EnvLayout, RankEnvs, env_seeds
 from hvd_rl.models import build_model
 from hvd_rl.rollout import RolloutBuffer, RolloutCollector
 
@@ -14,7 +14,7 @@ def test_cartpole_rollout_has_no_reset_transitions():
     envs = RankEnvs(EnvConfig(id="CartPole-v1", num_envs=3))
     torch.manual_seed(0)
     model = build_model(ModelConfig(kind="mlp"), envs.single_observation_space, envs.single_action_space)
-    buffer = RolloutBuffer(200, 3, (4,), torch.float32, torch.device("cpu"))
+    buffer = RolloutBuffer(200, 3, envs.single_observation_space, envs.single_action_space, torch.device("cpu"))
     collector = RolloutCollector(envs, model, buffer, torch.device("cpu"), seeds=[0, 1, 2])
     _, _, episodes = collector.collect()
     collector.close()
@@ -59,12 +59,17 @@ def test_atari_episodic_life_terminals_but_whole_game_statistics(backend):
     assert rewards <= {0.0, 1.0}  # clipped training rewards
 
 
-def test_env_seeds_never_overlap_across_ranks_and_rebuilds():
+def test_env_seeds_never_overlap_across_ranks_rebuilds_and_base_seeds():
     seen = set()
-    offset = 0
-    for world in (4, 3, 8):  # e.g. resume or elastic resizes
-        for rank in range(world):
-            seeds = env_seeds(1, offset, rank, 8)
-            assert not seen & set(seeds)
-            seen |= set(seeds)
-        offset += world * 8
+    for base in (1, 2, 3):  # runs with neighbouring base seeds share no environment
+        offset = 0
+        for counts in ((8, 8, 8, 8), (8, 8, 8), (3, 5), (8,) * 8):  # resizes, uneven layouts
+            layout = EnvLayout(counts)
+            for rank in range(layout.world_size):
+                seeds = env_seeds(base, offset, layout.first(rank), counts[rank])
+                assert len(seeds) == counts[rank] and not seen & set(seeds)
+                assert all(0 <= s < 2 ** 31 for s in seeds)
+                seen |= set(seeds)
+            offset += layout.total
+    # a rank's seeds do not depend on how the other environments are spread over ranks
+    assert env_seeds(1, 0, 3, 5) == env_seeds(1, 0, 0, 8)[3:]

@@ -41,8 +41,11 @@ def test_checkpoints_are_atomic_verified_and_pruned(tmp_path):
     state = load_checkpoint(ckpts / "latest.pt")  # weights_only=True inside
     assert state["iteration"] == 10 and state["global_step"] == 1280 and state["world_size"] == 2
     assert len(state["rng"]["torch"]) == 2  # one RNG state per rank
-    assert state["config"]["env"]["id"] == "CartPole-v1" and state["format_version"] == 1
-    assert state["lr_schedule"]["global_step"] == 1280 and "model" in state and "optimizer" in state
+    assert state["config"]["env"]["id"] == "CartPole-v1" and state["format_version"] == 2
+    assert state["algorithm"] == "ppo" and state["env_counts"] == [2, 2]
+    assert state["lr_schedule"]["global_step"] == 1280 and {"model", "optimizer"} <= set(state["state"])
+    manifests = [json.loads((ckpts / f"ckpt_{i:08d}.json").read_text()) for i in (9, 10)]
+    assert [m["sequence"] for m in manifests] == [3, 4]  # write order, for resume and pruning
     assert not list(ckpts.glob(".*"))  # no temporary files left behind
 
 

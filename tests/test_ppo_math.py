@@ -1,10 +1,13 @@
 """GAE, the PPO loss and the minibatch layout against straightforward references."""
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 
+from hvd_rl.config import ModelConfig
+from hvd_rl.models import build_model
 from hvd_rl.config import PPOConfig
-from hvd_rl.ppo import compute_gae, minibatch_indices, ppo_loss
+from hvd_rl.algorithms.ppo import compute_gae, minibatch_indices, ppo_loss
 
 
 def reference_gae(rewards, values, terminated, truncated, boot, last_value, gamma, lam):
@@ -85,7 +88,10 @@ def test_ppo_loss_matches_reference(clip_vloss):
     adv = torch.randn(n, generator=g, dtype=torch.float64)
     returns = torch.randn(n, generator=g, dtype=torch.float64)
     cfg = PPOConfig(clip_coef=0.1, ent_coef=0.01, vf_coef=0.5, clip_vloss=clip_vloss)
-    terms = ppo_loss(logits, values, actions, old_logp, old_values, adv, returns, cfg)
+    logp_all = torch.log_softmax(logits, -1)
+    new_logp = logp_all.gather(-1, actions[:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    terms = ppo_loss(new_logp, entropy, values, old_logp, old_values, adv, returns, cfg)
     total, pg, v, ent = reference_loss(logits, values, actions, old_logp, old_values, adv, returns, 0.1, 0.01, 0.5, clip_vloss)
     for got, want in [(terms.total, total), (terms.policy, pg), (terms.value, v), (terms.entropy, ent)]:
         assert got.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-12)
@@ -113,3 +119,39 @@ def test_minibatch_order_changes_with_epoch_and_iteration():
     a = minibatch_indices(1, 1, 0, 0, 4, 16, 4)[0]
     assert not np.array_equal(a, minibatch_indices(1, 1, 1, 0, 4, 16, 4)[0])
     assert not np.array_equal(a, minibatch_indices(1, 2, 0, 0, 4, 16, 4)[0])
+
+
+def _policy(action_space):
+    torch.manual_seed(0)
+    obs = gym.spaces.Box(-1, 1, (3,), np.float32)
+    model = build_model(ModelConfig(kind="mlp"), obs, action_space)
+    with torch.no_grad():
+        if model.continuous:
+            model.log_std.copy_(torch.tensor([-0.5, 0.3]))
+    return model, model(torch.randn(16, 3))[0]
+
+
+def test_gaussian_log_prob_and_entropy_match_torch_distributions():
+    model, mean = _policy(gym.spaces.Box(-1, 1, (2,), np.float32))
+    actions = torch.randn(16, 2)
+    log_prob, entropy = model.log_prob_entropy(mean, actions)
+    reference = torch.distributions.Normal(mean, model.log_std.exp())
+    torch.testing.assert_close(log_prob, reference.log_prob(actions).sum(-1))
+    torch.testing.assert_close(entropy, reference.entropy().sum(-1))
+    sampled, sampled_log_prob = model.sample(mean)
+    torch.testing.assert_close(sampled_log_prob, reference.log_prob(sampled).sum(-1))
+    assert torch.equal(model.mode(mean), mean)
+
+
+def test_categorical_log_prob_entropy_and_sampling_match_torch_distributions():
+    model, logits = _policy(gym.spaces.Discrete(5))
+    actions = torch.randint(0, 5, (16,))
+    log_prob, entropy = model.log_prob_entropy(logits, actions)
+    reference = torch.distributions.Categorical(logits=logits)
+    torch.testing.assert_close(log_prob, reference.log_prob(actions))
+    torch.testing.assert_close(entropy, reference.entropy())
+    # Gumbel-max draws from the same distribution: frequencies over many draws
+    torch.manual_seed(1)
+    many = torch.stack([model.sample(logits[:1])[0] for _ in range(20000)]).reshape(-1)
+    freq = torch.bincount(many, minlength=5).double() / len(many)
+    torch.testing.assert_close(freq, reference.probs[0].double(), atol=0.015, rtol=0)

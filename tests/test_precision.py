@@ -6,7 +6,6 @@ import torch
 
 from hvd_rl.config import ModelConfig
 from hvd_rl.models import InferencePolicy, build_model
-from hvd_rl.ppo import logprob_and_entropy
 from hvd_rl.precision import Precision, PrecisionError, cpu_has_native_bf16, resolve_amp
 
 FRAMES = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
@@ -28,10 +27,10 @@ def test_rollout_logprobs_equal_the_learners_so_the_first_ratio_is_one(mode):
     obs = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (128, 4, 84, 84), dtype=np.uint8))
     actions = torch.arange(128) % 4
     with torch.no_grad():
-        rollout = torch.cat([logprob_and_entropy(policy(obs[i:i + 8])[0], actions[i:i + 8])[0]
+        rollout = torch.cat([model.log_prob_entropy(policy(obs[i:i + 8])[0], actions[i:i + 8])[0]
                              for i in range(0, 128, 8)])
         order = torch.randperm(128, generator=torch.Generator().manual_seed(1))[:64]
-        learner = logprob_and_entropy(model(obs[order])[0], actions[order])[0]
+        learner = model.log_prob_entropy(model(obs[order])[0], actions[order])[0]
     ratio = torch.exp(learner - rollout[order])
     assert (ratio - 1).abs().max().item() < (1e-5 if mode == "off" else 1e-2)
     if mode == "bf16":  # and the precision really changed the numbers

@@ -12,7 +12,7 @@ import torch
 from hvd_rl import distributed as dist
 from hvd_rl.config import ModelConfig, PPOConfig
 from hvd_rl.models import build_model
-from hvd_rl.ppo import Batch, PPOLearner
+from hvd_rl.algorithms.ppo import Batch, PPOLearner
 from hvd_rl.precision import Precision
 
 out, kind, norm = sys.argv[1], sys.argv[2], sys.argv[3]
