@@ -241,7 +241,9 @@ class Runtime:
         # Rows and TensorBoard events of iterations after the checkpoint will be produced again.
         truncate_metrics(self.run_dir, info["iteration"], info["global_step"])
         (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
-        (self.run_dir / STOP_FILE).unlink(missing_ok=True)
+        stop_file = self.run_dir / STOP_FILE
+        if stop_file.exists() and stop_file.stat().st_mtime < self._start_time:
+            stop_file.unlink(missing_ok=True)  # left by an earlier run; a new request stays
         remove_stale_temporaries(self.run_dir)
         tmp = self.run_dir / ".config.toml.tmp"
         tmp.write_text(cfg.to_toml())
@@ -436,6 +438,7 @@ class Runtime:
             # before any rank exits: srun --kill-on-bad-exit kills the others at the first exit.
             (self.run_dir / PREEMPTED_MARKER).write_text(json.dumps(
                 {"iteration": progress.iteration, "global_step": progress.global_step}) + "\n")
+            (self.run_dir / STOP_FILE).unlink(missing_ok=True)  # acted on
         dist.allreduce_sum([0.0], name="preempted.marker_written")
         raise Preempted(message)
 

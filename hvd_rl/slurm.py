@@ -113,8 +113,11 @@ def render_from_args(args: argparse.Namespace) -> Path:
     settings: dict[str, str] = {"home": shlex.quote(str(Path(args.home or template_dir().parent).resolve()))}
     if args.config:
         settings["config"] = shlex.quote(args.config)
-    if args.overrides:
-        settings["set"] = "(" + " ".join(shlex.quote(f"--set={o}") for o in args.overrides) + ")"
+    overrides = list(args.overrides)
+    if args.template == "gpu" and not any(o.split("=", 1)[0].strip() == "distributed.device" for o in overrides):
+        overrides.insert(0, "distributed.device=cuda")  # the template's own setting, kept under --set
+    if overrides:
+        settings["set"] = "(" + " ".join(shlex.quote(f"--set={o}") for o in overrides) + ")"
     if args.run_root:
         settings["run_root"] = shlex.quote(args.run_root)
     if args.launcher:

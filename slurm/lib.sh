@@ -28,9 +28,12 @@ hvd_rl_launch() {
            ${HVD_RL_SRUN_ARGS:-} hvd-rl "$@" ;;
     mpirun)
       # Open MPI reads the SLURM allocation itself (one slot per task); the trainer sizes its
-      # threads from SLURM_CPUS_PER_TASK, so no binding is imposed here.
+      # threads from SLURM_CPUS_PER_TASK, so no binding is imposed here. mpirun answers SIGTERM
+      # (SLURM's preemption) by terminating the ranks and SIGKILLs them odls_base_sigkill_timeout
+      # seconds later (default 1): give them the time to checkpoint instead.
       exec mpirun -np "${HVD_RL_NP:-$SLURM_NTASKS}" --bind-to none -x PATH -x LD_LIBRARY_PATH -x OMP_NUM_THREADS \
-             -x SLURM_CPUS_PER_TASK ${HVD_RL_MPIRUN_ARGS:-} hvd-rl "$@" ;;
+             -x SLURM_CPUS_PER_TASK --mca odls_base_sigkill_timeout "${HVD_RL_TERM_GRACE:-60}" \
+             ${HVD_RL_MPIRUN_ARGS:-} hvd-rl "$@" ;;
     horovodrun)
       # Gloo over ssh between nodes (horovodrun --gloo); slots per node from the allocation.
       local hosts
@@ -43,15 +46,19 @@ hvd_rl_launch() {
 
 hvd_rl_train_requeueable() {
   # Runs `hvd-rl train "$@" --resume auto` and requeues the job when it was preempted.
-  # SLURM signals only this shell (--signal=B:USR1@N); the trap forwards it to the launcher,
-  # which passes it to every rank. The ranks agree to checkpoint at the end of the iteration and
-  # exit 75; then the job requeues itself and the next run resumes from that checkpoint.
+  # SLURM signals only this shell ahead of the time limit (--signal=B:USR1@N), and every process
+  # of the job on preemption (SIGTERM). Either way this shell writes <run_dir>/stop.request: rank
+  # 0 looks for it at least once per optimisation epoch, so every launcher works the same (srun
+  # would forward USR1, but horovodrun dies of it and mpirun kills the job on SIGTERM). The ranks
+  # agree to checkpoint, write preempted.json and exit 75; then the job requeues itself and the
+  # next run resumes from that checkpoint. Ranks that get SIGTERM/SIGUSR1 directly do the same.
   local run_dir="$1"; shift
   local child rc
-  # A marker left by an earlier run is stale now; only this run's preemption may requeue.
-  rm -f "$run_dir/preempted.json"
-  trap 'echo "[hvd_rl] USR1: asking the ranks to checkpoint"; kill -USR1 "$child" 2>/dev/null' USR1
-  trap 'echo "[hvd_rl] TERM: the ranks checkpoint (SLURM signals them directly)"' TERM
+  mkdir -p "$run_dir"
+  # A marker or stop request left by an earlier run is stale now; only this run's may requeue.
+  rm -f "$run_dir/preempted.json" "$run_dir/stop.request"
+  trap 'echo "[hvd_rl] USR1: asking the ranks to checkpoint"; touch "$run_dir/stop.request"' USR1
+  trap 'echo "[hvd_rl] TERM: asking the ranks to checkpoint"; touch "$run_dir/stop.request"' TERM
   hvd_rl_launch train --run-dir "$run_dir" --resume auto "$@" &
   child=$!
   while true; do

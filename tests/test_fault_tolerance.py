@@ -99,6 +99,41 @@ def test_sigterm_on_rank_1_checkpoints_then_resume_reaches_target(tmp_path):
     assert not (run_dir / "preempted.json").exists()
 
 
+def test_rerunning_a_finished_run_exits_0_on_every_rank(tmp_path):
+    """What running `make train` a second time does; also a resume onto more ranks when less than
+    one iteration of whole minibatches is left. Nothing is rewritten."""
+    run_dir = tmp_path / "run"
+    check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=1280")), timeout=180))
+    before = _snapshot(run_dir)
+    out = check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=1280",
+                                              extra=("--resume", "auto"))), timeout=180))
+    assert out.count("run already complete at global step 1280") == 1 and "Traceback" not in out
+    out = check(run(mpirun_cmd(3, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=1290",
+                                              extra=("--resume", "auto"))), timeout=180))
+    assert "run already complete at global step 1280 (10 steps remain" in out
+    unchanged = lambda files: {k: v for k, v in files.items() if k != "config.toml"}  # noqa: E731
+    assert unchanged(_snapshot(run_dir)) == unchanged(before)  # checkpoints, metrics, summary
+
+
+def test_stop_file_checkpoints_within_an_epoch_under_any_launcher(tmp_path):
+    """What the SLURM templates do on USR1/TERM: the request is read once per optimisation epoch
+    (at a collective that happens anyway), so the iteration stops after its current epoch."""
+    run_dir = tmp_path / "run"
+    cmd = mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=100000", "ppo.update_epochs=40",
+                                   "checkpoint.every=1000"))
+    proc = start(cmd)
+    wait_for_iterations(run_dir, 2, proc, timeout=120)
+    (run_dir / "stop.request").touch()
+    code, out = finish(proc, timeout=60)
+    assert code == PREEMPTED, out[-3000:]
+    assert "found" in out and "stop.request" in out
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert rows[-1]["epochs_run"] < 40  # cut short: did not wait for the iteration's 40 epochs
+    assert json.loads((run_dir / "preempted.json").read_text())["iteration"] == rows[-1]["iteration"]
+    assert not (run_dir / "stop.request").exists()  # acted on, so the next run does not stop at once
+    assert load_checkpoint(run_dir / "checkpoints" / "latest.pt")["iteration"] == rows[-1]["iteration"]
+
+
 def test_resume_two_ranks_onto_one_says_what_changed(tmp_path):
     run_dir = tmp_path / "run"
     check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=1024")), timeout=180))
@@ -130,6 +165,47 @@ def test_resume_auto_skips_a_corrupted_newest_checkpoint(tmp_path):
     assert [r["iteration"] for r in rows] == list(range(1, 16)) and rows[-1]["global_step"] == 960
 
 
+@pytest.mark.parametrize("keep", [5, 1])
+def test_resume_auto_follows_the_newest_branch_after_a_rollback(tmp_path, keep):
+    """Checkpoints are ordered by when they were written, not by iteration number."""
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    check(run(train_cmd(run_dir, *QUICK, "ppo.total_timesteps=640", "checkpoint.every=5", "checkpoint.keep=5"),
+              timeout=120))
+    # Roll back to iteration 5 on purpose and continue to iteration 8 with another schedule.
+    check(run(train_cmd(run_dir, *QUICK, "ppo.total_timesteps=512", "checkpoint.every=2", f"checkpoint.keep={keep}",
+                        extra=("--resume", str(ckpts / "ckpt_00000005.pt"))), timeout=120))
+    assert os.readlink(ckpts / "latest.pt") == "ckpt_00000008.pt" and (ckpts / "latest.pt").exists()
+    names = sorted(p.name for p in ckpts.glob("ckpt_*.pt"))
+    assert names == (["ckpt_00000008.pt"] if keep == 1 else
+                     ["ckpt_00000005.pt", "ckpt_00000006.pt", "ckpt_00000008.pt", "ckpt_00000010.pt"])
+    out = check(run(train_cmd(run_dir, *QUICK, "ppo.total_timesteps=640", extra=("--resume", "auto")), timeout=120))
+    assert "ckpt_00000008.pt at iteration 8" in out  # not the abandoned branch's ckpt_00000010.pt
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == list(range(1, 11))
+
+
+def test_resume_removes_stale_temporaries_and_rolled_back_tensorboard_events(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    sets = [s for s in QUICK if not s.startswith("logging.tensorboard")] + ["checkpoint.every=5"]
+    check(run(train_cmd(run_dir, *sets, "ppo.total_timesteps=640"), timeout=120))
+    ckpts = run_dir / "checkpoints"
+    for name in ("ckpt_00000010.pt", "ckpt_00000010.json"):  # as if it crashed before iteration 10's checkpoint
+        (ckpts / name).unlink()
+    (ckpts / "latest.pt").unlink()
+    stale = ckpts / ".ckpt_00000011.pt.tmp.4242"
+    stale.write_bytes(b"half a checkpoint")
+    check(run(train_cmd(run_dir, *sets, "ppo.total_timesteps=640", extra=("--resume", "auto")), timeout=120))
+    assert not stale.exists()
+    acc = EventAccumulator(str(run_dir / "tb"))  # all event files, in order, as TensorBoard reads them
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("charts/sps")]
+    # iterations 6-10 ran twice; TensorBoard keeps each step once (purge on resume)
+    assert sorted(steps) == [64 * i for i in range(1, 11)], sorted(steps)
+
+
 # ---- failing well ---------------------------------------------------------------------------
 
 def _assert_failed_cleanly(result, code, fragment, ranks=2):
@@ -144,6 +220,7 @@ def _assert_failed_cleanly(result, code, fragment, ranks=2):
     ("ppo.num_minibatches=0", "ppo.num_minibatches must be positive"),
     ("env.id=NoSuchGame-v9", "not a registered Gymnasium environment"),
     ("distributed.compression=zip", "distributed.compression"),
+    ("model.kind=nature_cnn", "model.kind 'nature_cnn' needs (C, 84, 84) image observations"),
 ])
 def test_bad_config_fails_on_every_rank_without_touching_disk(tmp_path, override, fragment):
     run_dir = tmp_path / "run"
@@ -271,3 +348,36 @@ def test_elastic_training_survives_a_killed_worker(tmp_path):
     builds = read_jsonl(run_dir / "env_seeds.jsonl")
     seeds = [s for b in builds for rank in b["seeds_by_rank"] for s in rank]
     assert len(seeds) == len(set(seeds))  # rebuilt environments never reuse a seed
+
+
+def test_elastic_training_grows_when_a_host_appears(tmp_path):
+    """Discovery first reports 2 hosts, later 3: the new worker joins inside hvd.elastic.run
+    (every collective is in there), and the run still ends exactly at total_timesteps."""
+    hosts_file = tmp_path / "hosts.txt"
+    hosts_file.write_text("localhost:1\n127.0.0.1:1\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/bash\ncat {hosts_file}\n")
+    discover.chmod(0o755)
+    run_dir = tmp_path / "run"
+    total = 64 * 3 * 2 * 8  # divisible by the global batches of 2 ranks (128) and 3 ranks (192)
+    cmd = [BIN / "horovodrun", "-np", "2", "--min-np", "2", "--max-np", "3",
+           "--host-discovery-script", discover,
+           *train_cmd(run_dir, *QUICK, f"ppo.total_timesteps={total}", "distributed.threads_per_rank=1",
+                      "debug.iteration_sleep=0.3", "checkpoint.every=0", "distributed.verify_every=1",
+                      extra=("--elastic",))]
+    proc = start(cmd, env=launch_env({"HOROVOD_GLOO_TIMEOUT_SECONDS": "20"}))
+    wait_for_iterations(run_dir, 2, proc, timeout=180)
+    hosts_file.write_text("localhost:1\n127.0.0.1:1\n" + os.uname().nodename + ":1\n")
+    code, out = finish(proc, timeout=400)
+    assert code == 0, out[-4000:]
+    assert "elastic reset: now 3 rank(s)" in out
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert rows[0]["world_size"] == 2 and rows[-1]["world_size"] == 3
+    assert all(r["parameters_identical"] for r in rows)
+    assert rows[-1]["global_step"] == total
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == total and summary["world_size"] == 3
+    assert summary["parameters_identical"] and len(summary["parameter_digests"]) == 3
+    builds = read_jsonl(run_dir / "env_seeds.jsonl")
+    seeds = [s for b in builds for rank in b["seeds_by_rank"] for s in rank]
+    assert len(builds) >= 2 and len(seeds) == len(set(seeds))
