@@ -143,7 +143,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return error_exit(str(exc), R.EXIT_NONFINITE)
     except R.Preempted as exc:
         print(f"{_rank_prefix()}hvd-rl: {exc}", file=sys.stderr, flush=True)
-        return R.EXIT_PREEMPTED
+        return R.preempted_exit_code()
     return R.EXIT_OK
 
 
@@ -195,21 +195,29 @@ COMMANDS = {"train": cmd_train, "evaluate": cmd_evaluate, "doctor": cmd_doctor,
             "report": cmd_report, "slurm": cmd_slurm}
 
 
+def _exit_now(code: int) -> None:
+    """Leaves without interpreter/Horovod teardown, which could wait on peers that are already
+    gone; the launcher sees the exit code and ends the other ranks (mpirun, horovodrun, srun
+    --kill-on-bad-exit). A clean finish (0) still shuts MPI down properly: all ranks get there."""
+    import os
+
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
     except KeyboardInterrupt:
-        return 130
+        code = 130
     except Exception:  # noqa: BLE001 - an unexpected error on one rank must not leave others hanging
         traceback.print_exc()
-        sys.stderr.flush()
-        sys.stdout.flush()
-        import os
-
-        # Skip interpreter/Horovod teardown, which could wait on peers; the launcher sees the
-        # failure and terminates the other ranks (mpirun, horovodrun, srun --kill-on-bad-exit).
-        os._exit(1)
+        code = 1
+    if code != 0 and args.command == "train":
+        _exit_now(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -104,7 +104,12 @@ def _ignore_preemption_signals() -> None:
 
 
 def _worker_env(factory: Callable[[], gym.Env]) -> gym.Env:
-    _ignore_preemption_signals()
+    import multiprocessing
+
+    # AsyncVectorEnv also calls the first factory in the rank's own process to read the spaces:
+    # there the rank's preemption handlers must stay.
+    if multiprocessing.parent_process() is not None:
+        _ignore_preemption_signals()
     return factory()
 
 

@@ -61,6 +61,14 @@ class Preempted(Exception):
     """All ranks agreed to stop after a preemption signal; a checkpoint was written."""
 
 
+def preempted_exit_code() -> int:
+    """75, unless HVD_RL_PREEMPTED_EXIT_CODE says otherwise: the SLURM template sets 0 under
+    mpirun, which would otherwise abort the job at the first rank's exit 75 and kill the others
+    (it requeues on preempted.json instead)."""
+    value = os.environ.get("HVD_RL_PREEMPTED_EXIT_CODE", "")
+    return int(value) if value.isdigit() else EXIT_PREEMPTED
+
+
 class BadInput(ValueError):
     """Something the user must fix (model/observation mismatch...); the same on every rank."""
 

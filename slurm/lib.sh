@@ -28,12 +28,15 @@ hvd_rl_launch() {
            ${HVD_RL_SRUN_ARGS:-} hvd-rl "$@" ;;
     mpirun)
       # Open MPI reads the SLURM allocation itself (one slot per task); the trainer sizes its
-      # threads from SLURM_CPUS_PER_TASK, so no binding is imposed here. mpirun answers SIGTERM
-      # (SLURM's preemption) by terminating the ranks and SIGKILLs them odls_base_sigkill_timeout
-      # seconds later (default 1): give them the time to checkpoint instead.
+      # threads from SLURM_CPUS_PER_TASK, so no binding is imposed here.
+      # - mpirun answers SIGTERM (SLURM's preemption) by terminating the ranks and SIGKILLs them
+      #   odls_base_sigkill_timeout seconds later (default 1): give them time to checkpoint.
+      # - a rank exiting non-zero makes mpirun abort the job, and the abort waits that timeout per
+      #   rank: after a checkpointed preemption the ranks exit 0 instead (HVD_RL_PREEMPTED_EXIT_CODE)
+      #   and the requeue below goes by the preempted.json marker.
       exec mpirun -np "${HVD_RL_NP:-$SLURM_NTASKS}" --bind-to none -x PATH -x LD_LIBRARY_PATH -x OMP_NUM_THREADS \
-             -x SLURM_CPUS_PER_TASK --mca odls_base_sigkill_timeout "${HVD_RL_TERM_GRACE:-60}" \
-             ${HVD_RL_MPIRUN_ARGS:-} hvd-rl "$@" ;;
+             -x SLURM_CPUS_PER_TASK -x HVD_RL_PREEMPTED_EXIT_CODE=0 \
+             --mca odls_base_sigkill_timeout "${HVD_RL_TERM_GRACE:-30}" ${HVD_RL_MPIRUN_ARGS:-} hvd-rl "$@" ;;
     horovodrun)
       # Gloo over ssh between nodes (horovodrun --gloo); slots per node from the allocation.
       local hosts

@@ -115,6 +115,43 @@ def test_rerunning_a_finished_run_exits_0_on_every_rank(tmp_path):
     assert unchanged(_snapshot(run_dir)) == unchanged(before)  # checkpoints, metrics, summary
 
 
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def test_sigterm_to_every_process_of_an_async_rank_still_checkpoints(tmp_path):
+    """SLURM and mpirun signal every process, the Gymnasium env workers included: they must
+    survive it so that the rank can checkpoint."""
+    run_dir = tmp_path / "run"
+    cmd = mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "env.backend=async", "ppo.total_timesteps=100000",
+                                   "debug.iteration_sleep=0.2", "checkpoint.every=1000"))
+    proc = start(cmd)
+    wait_for_iterations(run_dir, 2, proc, timeout=180)
+    rank = rank_pid(str(run_dir), 1)
+    workers = _descendants(rank)
+    assert len(workers) >= 2  # the forkserver and env workers
+    for pid in [rank, *workers]:
+        os.kill(pid, signal.SIGTERM)
+    code, out = finish(proc, timeout=90)
+    assert code == PREEMPTED, out[-3000:]
+    assert "received SIGTERM" in out and "Traceback" not in out
+    marker = json.loads((run_dir / "preempted.json").read_text())
+    assert load_checkpoint(run_dir / "checkpoints" / "latest.pt")["iteration"] == marker["iteration"]
+
+
 def test_stop_file_checkpoints_within_an_epoch_under_any_launcher(tmp_path):
     """What the SLURM templates do on USR1/TERM: the request is read once per optimisation epoch
     (at a collective that happens anyway), so the iteration stops after its current epoch."""

@@ -118,18 +118,29 @@ def test_sbatch_cpu_cartpole_on_two_tasks(slurm_env, tmp_path):
     assert "launcher srun" in log
 
 
-def test_sbatch_preemption_checkpoints_requeues_and_finishes(slurm_env, tmp_path):
+@pytest.mark.parametrize("launcher, signal, backend", [
+    ("srun", "USR1", "sync"),  # --signal=B:USR1@N ahead of the time limit
+    ("mpirun", "USR1", "sync"),
+    ("horovodrun", "USR1", "sync"),  # horovodrun itself would die of USR1
+    ("mpirun", "TERM", "sync"),  # preemption: SIGTERM to every process; mpirun kills the job on it
+    ("srun", "USR1", "async"),  # Gymnasium worker processes (their SIGTERM: test_fault_tolerance)
+])
+def test_sbatch_preemption_checkpoints_requeues_and_finishes(slurm_env, tmp_path, launcher, signal, backend):
     runs = tmp_path / "runs"
     total = 24 * 1024
     script = render(tmp_path, "long", "--template", "cpu", "--job-name", "long", "--ntasks-per-node", "2",
                     "--cpus-per-task", "1", "--time", "00:20:00", "--config", "configs/cartpole_ppo.toml",
                     "--set", f"ppo.total_timesteps={total}", "--set", "logging.tensorboard=false",
-                    "--set", "debug.iteration_sleep=0.4", "--run-root", str(runs))
+                    "--set", f"env.backend={backend}", "--set", "debug.iteration_sleep=0.4",
+                    "--launcher", launcher, "--run-root", str(runs))
     job = submit(slurm_env, script, tmp_path)
     run_dir = runs / f"long-{job}"
     wait_until(lambda: (run_dir / "metrics.jsonl").exists() and len(read_jsonl(run_dir / "metrics.jsonl")) >= 3,
                180, "the job to train a few iterations")
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm_env, check=True)
+    if signal == "USR1":
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm_env, check=True)
+    else:  # what SLURM's preemption does: SIGTERM to the batch shell and every process of every step
+        subprocess.run(["scancel", "--signal=TERM", "--full", job], env=slurm_env, check=True)
     # SLURM holds a requeued job for 120 s (BeginTime). To keep the test short we release it
     # as soon as the first run's step daemons are gone (what the 120 s are there to ensure).
     wait_until(lambda: jobs(slurm_env, job)[0].get("Restarts") == "1" and
@@ -140,7 +151,8 @@ def test_sbatch_preemption_checkpoints_requeues_and_finishes(slurm_env, tmp_path
     (record,) = wait_terminal(slurm_env, job, 300)
     log = (tmp_path / f"slurm-long-{job}.out").read_text()
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", log
-    assert "received SIGUSR1" in log and "requeueing job" in log and "restart 1" in log
+    assert f"{signal}: asking the ranks to checkpoint" in log and "requeueing job" in log and "restart 1" in log
+    assert f"launcher {launcher}" in log
     match = re.search(r"resuming from \S+ckpt_(\d+)\.pt at iteration (\d+)", log)
     assert match and 3 <= int(match.group(2)) < 24, log
     rows = read_jsonl(run_dir / "metrics.jsonl")
