@@ -11,7 +11,8 @@ import shlex
 import subprocess
 from pathlib import Path
 
-TEMPLATES = {"cpu": "train_cpu.sbatch", "gpu": "train_gpu.sbatch", "sweep": "scaling_sweep.sbatch"}
+TEMPLATES = {"cpu": "train_cpu.sbatch", "gpu": "train_gpu.sbatch", "sweep": "scaling_sweep.sbatch",
+             "learning": "learning_array.sbatch"}
 _TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")
 
 
@@ -25,7 +26,8 @@ def template_dir() -> Path:
 
 def add_render_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--template", choices=sorted(TEMPLATES), default="cpu",
-                        help="cpu: CPU nodes; gpu: one rank per GPU with NCCL; sweep: scaling-study job array")
+                        help="cpu: CPU nodes; gpu: one rank per GPU with NCCL; sweep: scaling-study job array; "
+                             "learning: learning-benchmark job array, one element per (experiment, seed) of --plan")
     parser.add_argument("--out", "-o", required=True, help="where to write the script")
     parser.add_argument("--job-name", help="#SBATCH --job-name")
     parser.add_argument("--nodes", type=int, help="#SBATCH --nodes")
@@ -48,6 +50,8 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-nodes", help="sweep: space-separated node counts matching --ranks")
     parser.add_argument("--mode", choices=["weak", "strong"], help="sweep: scaling mode")
     parser.add_argument("--iterations", type=int, help="sweep: measured iterations per point")
+    parser.add_argument("--plan", help="learning: the study's plan (e.g. benchmarks/learning_atari.toml); "
+                                       "sets --array and, unless given, --ntasks-per-node from it")
 
 
 def _sbatch_lines(args: argparse.Namespace) -> dict[str, str | None]:
@@ -106,6 +110,25 @@ def render(template_text: str, sbatch: dict[str, str | None], settings: dict[str
     return "\n".join(lines) + "\n"
 
 
+def _learning_settings(args: argparse.Namespace, settings: dict[str, str], sbatch: dict[str, str | None]) -> None:
+    """One array element per (experiment, seed), each allocated the plan's largest rank count."""
+    from hvd_rl.study import PlanError, load_plan
+
+    home = Path(args.home or template_dir().parent).resolve()
+    path = Path(args.plan)
+    if not path.is_file() and not path.is_absolute() and (home / path).is_file():
+        path = home / path
+    try:
+        plan = load_plan(path)
+    except PlanError as exc:
+        raise SlurmRenderError(str(exc)) from None
+    settings["plan"] = shlex.quote(str(path.resolve()))
+    elements = sum(len(e.seeds) for e in plan.experiments)
+    sbatch["array"] = f"0-{elements - 1}"
+    nodes = int(sbatch["nodes"] or 1)
+    sbatch["ntasks-per-node"] = sbatch["ntasks-per-node"] or str(-(-max(e.ranks for e in plan.experiments) // nodes))
+
+
 def render_from_args(args: argparse.Namespace) -> Path:
     _check(args)
     template = template_dir() / TEMPLATES[args.template]
@@ -131,6 +154,10 @@ def render_from_args(args: argparse.Namespace) -> Path:
     if args.iterations:
         settings["iterations"] = str(args.iterations)
     sbatch = _sbatch_lines(args)
+    if args.plan:
+        if args.template != "learning":
+            raise SlurmRenderError("--plan belongs to --template learning")
+        _learning_settings(args, settings, sbatch)
     if args.template == "sweep" and args.ranks:
         # Every array element gets the same allocation: size it for the largest point.
         ranks = [int(r) for r in args.ranks.split()]
