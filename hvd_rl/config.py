@@ -51,6 +51,10 @@ class PPOConfig:
     learning_rate: float = 2.5e-4
     adam_eps: float = 1e-5
     anneal_lr: bool = True
+    # Horizon of the linear annealing, in global steps; 0 = total_timesteps. Set it to a longer
+    # run's length to reproduce that run's curve up to an earlier step (e.g. CleanRL's 10M
+    # schedule, stopped at 1M).
+    anneal_timesteps: int = 0
     gamma: float = 0.99
     gae_lambda: float = 0.95
     num_minibatches: int = 4
@@ -341,6 +345,7 @@ def validate(cfg: TrainConfig) -> None:
     need(0.0 <= p.gamma <= 1.0, f"ppo.gamma must be in [0, 1], got {p.gamma}")
     need(0.0 <= p.gae_lambda <= 1.0, f"ppo.gae_lambda must be in [0, 1], got {p.gae_lambda}")
     need(p.observation_clip > 0 and p.reward_clip > 0, "ppo.observation_clip and ppo.reward_clip must be positive")
+    need(p.anneal_timesteps >= 0, f"ppo.anneal_timesteps must be >= 0, got {p.anneal_timesteps}")
     if p.num_steps > 0 and p.num_minibatches > 0:
         # Minibatches are drawn per environment (see ppo.minibatch_indices), which is what makes
         # N ranks compute exactly the same update as one process.

@@ -7,7 +7,7 @@ every `[[experiment]]`, which may override them:
     algorithm = "ppo"               # with the env id, picks the reference points
     config = "configs/atari_ppo_cleanrl.toml"
     ranks = 2                       # N of `mpirun -np N`
-    steps = 10_000_000              # global env steps (ppo.total_timesteps)
+    steps = 10_000_000              # global env steps (<algorithm>.total_timesteps)
     seeds = [1, 2, 3]
     global_envs = 8                 # optional: env.num_envs = global_envs / ranks
     overrides = ["distributed.amp=off"]
@@ -41,7 +41,8 @@ _EXPERIMENT_KEYS = _DEFAULT_KEYS | {"name", "env", "reference_env", "acceptance"
 _ACCEPTANCE_KEYS = {"mean_at_least", "each_above"}
 # Config keys the plan itself sets for every run: an override of one would silently disagree
 # with what the report says the run was.
-_PLAN_OWNED = {"seed": "seeds", "run_dir": "the study's directory", "ppo.total_timesteps": "steps"}
+_PLAN_OWNED = {"seed": "seeds", "run_dir": "the study's directory", "ppo.total_timesteps": "steps",
+               "dqn.total_timesteps": "steps"}
 
 
 class PlanError(ValueError):
@@ -73,7 +74,7 @@ class Experiment:
         return self.global_envs // self.ranks if self.global_envs else None
 
     def derived_overrides(self, seed: int) -> list[str]:
-        sets = [f"seed={seed}", f"ppo.total_timesteps={self.steps}"]
+        sets = [f"seed={seed}", f"{self.algorithm}.total_timesteps={self.steps}"]
         if self.env:
             sets.append(f"env.id={json.dumps(self.env)}")
         if self.num_envs:

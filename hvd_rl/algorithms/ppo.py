@@ -430,7 +430,7 @@ class PPO(Algorithm):
         cfg, p = self.cfg, self.cfg.ppo
         lr = p.learning_rate
         if p.anneal_lr:  # by global step, so a resume with another rank count keeps the schedule
-            lr *= 1.0 - context.global_step / p.total_timesteps
+            lr *= max(0.0, 1.0 - context.global_step / (p.anneal_timesteps or p.total_timesteps))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         steps, layout, rank = context.env_steps, context.layout, context.rank
