@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import sys
 import time
 from pathlib import Path
@@ -76,6 +77,7 @@ def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int) -> Pa
             "file": final.name, "sha256": _sha256(tmp), "bytes": tmp.stat().st_size,
             "iteration": state["iteration"], "global_step": state["global_step"],
             "format_version": FORMAT_VERSION, "written_at": time.time(),
+            "hostname": socket.gethostname(),  # the writer's node (rank 0's)
         }
         _atomic_write_text(final.with_suffix(".json"), json.dumps(manifest, indent=1))
         os.replace(tmp, final)

@@ -88,7 +88,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, resume: str | None = None):
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.topo = dist.init(cfg.distributed.mpi_yield_when_idle, cfg.distributed.cycle_time_ms)
+        self.topo = dist.init(cfg.distributed.mpi_yield_when_idle, cfg.distributed.cycle_time_ms,
+                              cfg.distributed.hierarchical_allreduce)
         if cfg.distributed.reduction == "adasum":
             dist.check_adasum(self.topo)
         self.threads = dist.configure_threads(self.topo, cfg.distributed.threads_per_rank)
@@ -361,8 +362,13 @@ class Trainer:
         return self._iteration(self.progress)[0]
 
     def _runtime_note(self) -> str:
-        return ", ".join(f"{name}={os.environ.get(name, 'unset')}"
+        note = ", ".join(f"{name}={os.environ.get(name, 'unset')}"
                          for name in (dist.YIELD_VAR, dist.CYCLE_VAR))
+        hierarchical = dist.hierarchical_allreduce_status(dist.topology(), self.device)
+        if hierarchical["requested"]:
+            note += (", hierarchical allreduce " + ("active" if hierarchical["active"] else
+                                                    f"requested but inactive ({hierarchical['why_not']})"))
+        return note
 
     def _logger(self) -> MetricsLogger:
         if self.logger is None:  # elastic: this process may have become rank 0 after a reset
@@ -434,7 +440,9 @@ class Trainer:
 
     def _finish(self, progress: Any) -> None:
         identical, digests = dist.parameters_agree(self.model, "final.verify")
-        hostnames = dist.allgather_object(socket.gethostname(), name="final.hostnames")
+        topo = dist.topology()
+        ranks = dist.allgather_object({"hostname": socket.gethostname(), "local_rank": topo.local_rank,
+                                       "local_size": topo.local_size}, name="final.hostnames")
         if self._last_checkpoint_iteration != progress.iteration:
             self._checkpoint(progress)
         if dist.topology().rank == 0:
@@ -443,7 +451,7 @@ class Trainer:
                 "global_step": progress.global_step, "total_timesteps": self.cfg.ppo.total_timesteps,
                 "world_size": dist.world_size(), "parameters_identical": identical,
                 "parameter_digests": digests, "wall_seconds": time.time() - self._start_time,
-                "topology": self._topology(hostnames),
+                "topology": self._topology(ranks),
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
             self._logger().note(f"done: global step {progress.global_step}, parameters identical "
@@ -451,13 +459,16 @@ class Trainer:
         if not identical:
             raise RuntimeError(f"ranks ended with different parameters: {digests}")
 
-    def _topology(self, hostnames: list[str]) -> dict[str, Any]:
+    def _topology(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         topo = dist.topology()
+        hostnames = [r["hostname"] for r in ranks]
         return {"ranks": topo.size, "nodes": topo.cross_size, "ranks_per_node": topo.local_size,
                 "threads_per_rank": self.threads, "device": str(self.device),
                 "precision": self.precision.mode,
                 "runtime_settings": {name: os.environ.get(name) for name in (dist.YIELD_VAR, dist.CYCLE_VAR)},
+                "hierarchical_allreduce": dist.hierarchical_allreduce_status(topo, self.device),
                 "cpus_per_node": os.cpu_count(), "hostnames": sorted(set(hostnames)),
+                "per_rank": [{"rank": i, **r} for i, r in enumerate(ranks)],
                 "versions": {"python": platform.python_version(), "torch": torch.__version__,
                              "horovod": horovod.__version__}}
 
