@@ -52,18 +52,21 @@ holder_pid() {  # PID of the process that holds a node's UTS and mount namespace
   local f="$STATE/run/$1.holder" pid
   [ -f "$f" ] || return 0
   pid="$(cat "$f")"
-  if kill -0 "$pid" 2>/dev/null &&
+  if alive "$pid" &&
      [ "$(stat -L -c %i "/proc/$pid/ns/net" 2>/dev/null)" = "$(stat -L -c %i "/run/netns/$(ns_of "$1")" 2>/dev/null)" ]; then
     echo "$pid"
   fi
 }
 running() { [ -n "$(our_namespaces)" ] || [ -e "/sys/class/net/$NIC" ] || [ -d "$STATE/run" ]; }
 owner() { cat "/sys/class/net/$NIC/ifalias" 2>/dev/null || true; }  # state dir of the running cluster
-refuse_foreign() {
-  local dir; dir="$(owner)"
-  if [ -n "$dir" ] && [ "$dir" != "$STATE" ]; then
-    die "the simulated cluster running here has its state in $dir (one per machine); stop it with: HVD_RL_SIMCLUSTER_DIR=$dir $SELF stop"
-  fi
+refuse_foreign() {  # another state dir's cluster still running here: leave it alone
+  local dir f; dir="$(owner)"
+  [ -n "$dir" ] && [ "$dir" != "$STATE" ] || return 0
+  for f in "$dir"/run/*.holder; do
+    if [ -f "$f" ] && alive "$(cat "$f")"; then
+      die "the simulated cluster running here has its state in $dir (one per machine); stop it with: HVD_RL_SIMCLUSTER_DIR=$dir $SELF stop"
+    fi
+  done
 }
 up() {  # all holders and daemons of a started cluster alive
   local n name
@@ -73,7 +76,8 @@ up() {  # all holders and daemons of a started cluster alive
   pid_alive "$STATE/run/slurmctld.pid" || return 1
   for name in $(node_names); do pid_alive "$STATE/run/slurmd.$name.pid" || return 1; done
 }
-pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+pid_alive() { [ -f "$1" ] && alive "$(cat "$1")"; }
+alive() { ps -o stat= -p "$1" 2>/dev/null | grep -qv '^Z'; }  # a zombie is not alive
 
 # Runs a command inside a node's namespaces (network, hostname, mount), in the current directory.
 in_node() {

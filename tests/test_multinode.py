@@ -39,6 +39,10 @@ def cluster(tmp_path_factory):
         pytest.skip(f"no simulated cluster here: {probe.stdout.strip()}")
     assert probe.returncode == 0, probe.stdout + probe.stderr
     state = tmp_path_factory.mktemp("simcluster")
+    owner = Path("/sys/class/net/hvdrl0/ifalias")
+    if owner.exists() and Path(owner.read_text().strip()).is_relative_to(tmp_path_factory.getbasetemp().parent):
+        # An earlier test session that was killed before its teardown left its cluster running.
+        _cluster({**os.environ, "HVD_RL_SIMCLUSTER_DIR": owner.read_text().strip()}, "stop")
     env = _cluster_env(launch_env({"HVD_RL_SIMCLUSTER_DIR": str(state)}))
     start = _cluster(env, "start", str(len(NODES)), timeout=600)
     if start.returncode != 0:
