@@ -271,6 +271,37 @@ def test_hierarchical_allreduce_option_across_two_nodes(cluster, tmp_path):
         assert "hierarchical allreduce requested but inactive" in out
 
 
+def test_hierarchical_allreduce_setting_and_status(monkeypatch):
+    """No cluster needed: the option's environment variable and the status rule."""
+    import torch
+
+    import horovod.torch as hvd
+    from hvd_rl import distributed as dist
+
+    monkeypatch.delenv(dist.HIERARCHICAL_VAR, raising=False)
+    monkeypatch.delenv(dist.YIELD_VAR, raising=False)
+    settings = dist.apply_runtime_settings(True, 0.0, hierarchical_allreduce=False)
+    assert dist.HIERARCHICAL_VAR not in os.environ and [s.name for s in settings] == [dist.YIELD_VAR]
+    settings = dist.apply_runtime_settings(True, 0.0, hierarchical_allreduce=True)
+    assert os.environ[dist.HIERARCHICAL_VAR] == "1"
+    assert dist.RuntimeSetting(dist.HIERARCHICAL_VAR, "1", "config") in settings
+    monkeypatch.setenv(dist.HIERARCHICAL_VAR, "0")  # the user's value wins, and means off
+    assert dist.RuntimeSetting(dist.HIERARCHICAL_VAR, "0", "environment") in dist.apply_runtime_settings(
+        True, 0.0, hierarchical_allreduce=True)
+    two_nodes = dist.Topology(rank=0, size=4, local_rank=0, local_size=2, cross_size=2)
+    assert dist.hierarchical_allreduce_status(two_nodes, torch.device("cpu")) == {
+        "requested": False, "active": False, "why_not": None}
+    monkeypatch.setenv(dist.HIERARCHICAL_VAR, "1")
+    one_node = dist.Topology(rank=0, size=2, local_rank=0, local_size=2, cross_size=1)
+    status = dist.hierarchical_allreduce_status(one_node, torch.device("cpu"))
+    assert status["requested"] and not status["active"] and "all ranks on one node" in status["why_not"]
+    status = dist.hierarchical_allreduce_status(two_nodes, torch.device("cpu"))
+    if hvd.nccl_built() or hvd.ddl_built():
+        assert not status["active"] and status["why_not"] == "tensors are on the CPU"
+    else:
+        assert not status["active"] and "no NCCL/DDL" in status["why_not"]
+
+
 def test_stop_leaves_nothing_behind(cluster):
     state = Path(cluster["HVD_RL_SIMCLUSTER_DIR"])
     holders = [int((state / "run" / f"{name}.holder").read_text()) for name in ["head", *NODES]]
