@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import sys
 import time
 from pathlib import Path
@@ -84,6 +85,7 @@ def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int) -> Pa
             "iteration": state["iteration"], "global_step": state["global_step"],
             "format_version": FORMAT_VERSION, "written_at": time.time(),
             "sequence": 1 + max((_sequence(p) for p in list_checkpoints(run_dir)), default=0),
+            "hostname": socket.gethostname(),  # the writer's node (rank 0's)
         }
         _atomic_write_text(final.with_suffix(".json"), json.dumps(manifest, indent=1))
         os.replace(tmp, final)

@@ -117,6 +117,9 @@ class DistributedConfig:
     # variable set by the user or launcher takes precedence over these.
     mpi_yield_when_idle: bool = True  # OMPI_MCA_mpi_yield_when_idle
     cycle_time_ms: float = 2.0  # HOROVOD_CYCLE_TIME; 0 = Horovod's default (1 ms)
+    # HOROVOD_HIERARCHICAL_ALLREDUCE=1: reduce within each node, then across nodes. Horovod applies
+    # it only to NCCL (GPU) allreduces across several nodes; summary.json says whether it was active.
+    hierarchical_allreduce: bool = False
     verify_every: int = 0  # check parameters agree across ranks every K iterations (0: at the end)
     elastic_min_np: int = 1  # informational for `hvd-rl train --elastic`; horovodrun enforces it
 

@@ -49,6 +49,10 @@ class Topology:
 # the rank's own compute: 2 ranks of the Atari preset lost ~35% of the machine.
 YIELD_VAR = "OMPI_MCA_mpi_yield_when_idle"
 CYCLE_VAR = "HOROVOD_CYCLE_TIME"
+# Reduce within each node, then across nodes (distributed.hierarchical_allreduce). Horovod 0.28.1
+# honours it only in its NCCL (or DDL) GPU allreduce and only across more than one node; CPU
+# builds force it off (horovod/common/operations.cc). See hierarchical_allreduce_status.
+HIERARCHICAL_VAR = "HOROVOD_HIERARCHICAL_ALLREDUCE"
 
 
 @dataclass(frozen=True)
@@ -58,15 +62,19 @@ class RuntimeSetting:
     source: str  # "config" (set here) or "environment" (already set by the user or launcher)
 
 
-def apply_runtime_settings(yield_when_idle: bool = True, cycle_time_ms: float = 0.0) -> list[RuntimeSetting]:
+def apply_runtime_settings(yield_when_idle: bool = True, cycle_time_ms: float = 0.0,
+                           hierarchical_allreduce: bool = False) -> list[RuntimeSetting]:
     """Puts the MPI/Horovod waiting settings into this process's environment before init.
 
     A value already in the environment wins (the user or the launcher chose it) and is reported
-    as such. `cycle_time_ms = 0` leaves Horovod's own default (1 ms).
+    as such. `cycle_time_ms = 0` leaves Horovod's own default (1 ms); `hierarchical_allreduce =
+    False` leaves Horovod's default (flat allreduce).
     """
     wanted = {YIELD_VAR: "1" if yield_when_idle else "0"}
     if cycle_time_ms > 0:
         wanted[CYCLE_VAR] = f"{cycle_time_ms:g}"
+    if hierarchical_allreduce:
+        wanted[HIERARCHICAL_VAR] = "1"
     settings = []
     for name, value in wanted.items():
         if name in os.environ:
@@ -77,8 +85,9 @@ def apply_runtime_settings(yield_when_idle: bool = True, cycle_time_ms: float = 
     return settings
 
 
-def init(yield_when_idle: bool = True, cycle_time_ms: float = 0.0) -> Topology:
-    apply_runtime_settings(yield_when_idle, cycle_time_ms)
+def init(yield_when_idle: bool = True, cycle_time_ms: float = 0.0,
+         hierarchical_allreduce: bool = False) -> Topology:
+    apply_runtime_settings(yield_when_idle, cycle_time_ms, hierarchical_allreduce)
     tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
     if tasks.isdigit() and int(tasks) > 1 and not launched():
         # srun without an MPI plugin: MPI could not find the other tasks (Open MPI aborts with a
@@ -109,6 +118,26 @@ def check_adasum(topo: Topology) -> None:
     if topo.size & (topo.size - 1):
         raise LaunchError(f"distributed.reduction = 'adasum' needs a power-of-2 number of ranks, "
                           f"got {topo.size}")
+
+
+def hierarchical_allreduce_status(topo: Topology, device: torch.device) -> dict[str, Any]:
+    """Whether Horovod reduces hierarchically, by Horovod 0.28.1's own rule (operations.cc): when
+    HOROVOD_HIERARCHICAL_ALLREDUCE > 0, the job spans more than one node, Horovod was built with
+    NCCL (or DDL) and the tensors are on the GPU. Otherwise the allreduce is flat (MPI or Gloo)."""
+    value = os.environ.get(HIERARCHICAL_VAR, "")
+    try:
+        requested = int(value) > 0
+    except ValueError:
+        requested = False
+    reasons = []
+    if topo.size == topo.local_size:
+        reasons.append("all ranks on one node")
+    if not (hvd.nccl_built() or hvd.ddl_built()):
+        reasons.append("this Horovod build has no NCCL/DDL allreduce, the only one that reduces hierarchically")
+    elif device.type != "cuda":
+        reasons.append("tensors are on the CPU")
+    return {"requested": requested, "active": requested and not reasons,
+            "why_not": "; ".join(reasons) if requested and reasons else None}
 
 
 def world_size() -> int:

@@ -145,7 +145,7 @@ class Runtime:
         self.resume = resume
         self.run_dir = Path(cfg.run_dir)
         d = cfg.distributed
-        self.topo = dist.init(d.mpi_yield_when_idle, d.cycle_time_ms)
+        self.topo = dist.init(d.mpi_yield_when_idle, d.cycle_time_ms, d.hierarchical_allreduce)
         if d.reduction == "adasum":
             dist.check_adasum(self.topo)
         self.threads = dist.configure_threads(self.topo, d.threads_per_rank)
@@ -274,9 +274,13 @@ class Runtime:
                     line += f", global batch {old} -> {new}"
             self.logger.note(line)
 
-    @staticmethod
-    def _runtime_note() -> str:
-        return ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in (dist.YIELD_VAR, dist.CYCLE_VAR))
+    def _runtime_note(self) -> str:
+        note = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in (dist.YIELD_VAR, dist.CYCLE_VAR))
+        hierarchical = dist.hierarchical_allreduce_status(dist.topology(), self.device)
+        if hierarchical["requested"]:
+            note += (", hierarchical allreduce " + ("active" if hierarchical["active"] else
+                                                    f"requested but inactive ({hierarchical['why_not']})"))
+        return note
 
     def _logger(self) -> MetricsLogger:
         if self.logger is None:  # elastic: this process may have become rank 0 after a reset
@@ -485,8 +489,8 @@ class Runtime:
                                     "nothing to do")
             return
         identical, digests = dist.parameters_agree(self.algorithm.parameters_module(), "final.verify")
-        hostnames = dist.allgather_object(socket.gethostname(), name="final.hostnames")
-        local = dist.allgather_object((topo.local_rank, topo.local_size), name="final.local_ranks")
+        ranks = dist.allgather_object({"hostname": socket.gethostname(), "local_rank": topo.local_rank,
+                                       "local_size": topo.local_size}, name="final.hostnames")
         if self._last_checkpoint_iteration != progress.iteration:
             self._checkpoint(progress)
         if topo.rank == 0:
@@ -495,7 +499,7 @@ class Runtime:
                 "global_step": progress.global_step, "total_timesteps": self.cfg.total_timesteps,
                 "world_size": topo.size, "parameters_identical": identical,
                 "parameter_digests": digests, "wall_seconds": time.time() - self._start_time,
-                "topology": self._topology(hostnames, local),
+                "topology": self._topology(ranks),
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
             self._logger().note(f"done: global step {progress.global_step}, parameters identical "
@@ -503,14 +507,16 @@ class Runtime:
         if not identical:
             raise RuntimeError(f"ranks ended with different parameters: {digests}")
 
-    def _topology(self, hostnames: list[str], local: list[tuple[int, int]]) -> dict[str, Any]:
+    def _topology(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         topo = dist.topology()
+        hostnames = [r["hostname"] for r in ranks]
         return {"ranks": topo.size, "nodes": topo.cross_size, "ranks_per_node": topo.local_size,
                 "threads_per_rank": self.threads, "device": str(self.device),
                 "precision": getattr(self.algorithm, "precision_mode", "off"),
                 "runtime_settings": {name: os.environ.get(name) for name in (dist.YIELD_VAR, dist.CYCLE_VAR)},
+                "hierarchical_allreduce": dist.hierarchical_allreduce_status(topo, self.device),
                 "cpus_per_node": os.cpu_count(), "hostnames": sorted(set(hostnames)),
-                "rank_hosts": hostnames, "local_ranks": [list(x) for x in local],
+                "per_rank": [{"rank": i, **r} for i, r in enumerate(ranks)],
                 "versions": {"python": platform.python_version(), "torch": torch.__version__,
                              "horovod": horovod.__version__}}
 
