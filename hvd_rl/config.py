@@ -121,6 +121,15 @@ class DistributedConfig:
     # it only to NCCL (GPU) allreduces across several nodes; summary.json says whether it was active.
     hierarchical_allreduce: bool = False
     verify_every: int = 0  # check parameters agree across ranks every K iterations (0: at the end)
+    # Environments per rank in proportion to each rank's measured speed (hvd_rl/balance.py):
+    # off | static (decide once, after the first window) | dynamic (every balance_every iterations)
+    balance: str = "off"
+    # Environments per rank, one entry per rank, for nodes known to differ (empty: env.num_envs on
+    # every rank). A world of another size (elastic resize) falls back to env.num_envs each.
+    env_counts: list[int] = field(default_factory=list)
+    balance_every: int = 5  # iterations per measurement window / decision
+    balance_threshold: float = 0.05  # act only if the slowest rank gets at least this much faster
+    balance_min_envs: int = 1  # environments every rank keeps
     elastic_min_np: int = 1  # informational for `hvd-rl train --elastic`; horovodrun enforces it
 
 
@@ -388,6 +397,20 @@ def validate(cfg: TrainConfig) -> None:
              "'fp16' (loss scaling); use 'bf16' or 'off'")
     need(d.threads_per_rank >= 0, f"distributed.threads_per_rank must be >= 0, got {d.threads_per_rank}")
     need(d.verify_every >= 0, f"distributed.verify_every must be >= 0, got {d.verify_every}")
+    need(d.balance in ("off", "static", "dynamic"),
+         f"distributed.balance must be 'off', 'static' or 'dynamic', got {d.balance!r}")
+    need(d.balance_every >= 2, f"distributed.balance_every must be >= 2, got {d.balance_every}")
+    need(all(c > 0 for c in d.env_counts), f"distributed.env_counts must be positive, got {d.env_counts}")
+    if d.env_counts:
+        need(cfg.algorithm == "ppo", "distributed.env_counts (uneven layouts) needs algorithm 'ppo'")
+    need(0 <= d.balance_threshold < 1, f"distributed.balance_threshold must be in [0, 1), got {d.balance_threshold}")
+    need(1 <= d.balance_min_envs <= e.num_envs,
+         f"distributed.balance_min_envs must be in [1, env.num_envs], got {d.balance_min_envs}")
+    if d.balance != "off":
+        need(cfg.algorithm == "ppo", "distributed.balance needs ranks with uneven environment counts, "
+             "which only algorithm 'ppo' supports")
+        need(d.reduction == "average", "distributed.balance needs distributed.reduction = 'average' "
+             "(Adasum does not weight ranks by their share)")
     need(d.elastic_min_np >= 1, f"distributed.elastic_min_np must be >= 1, got {d.elastic_min_np}")
     need(cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
     need(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")

@@ -92,6 +92,11 @@ class MetricsLogger:
         step = record["global_step"]
         if self._tb is not None:
             for key, value in clean.items():
+                if key.endswith("_by_rank") and isinstance(value, list):  # load monitoring
+                    for rank, item in enumerate(value):
+                        if isinstance(item, (int, float)):
+                            self._tb.add_scalar(f"ranks/{key[:-len('_by_rank')]}/rank{rank}", item, step)
+                    continue
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in (
                         "iteration", "global_step"):
                     group = "time" if key.startswith("time_") else (

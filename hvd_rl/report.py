@@ -18,7 +18,9 @@ from typing import Any
 
 from hvd_rl.metrics import read_metrics
 
-PHASES = ("time_env", "time_inference", "time_update", "time_allreduce")
+# time_allreduce: communication (the fastest rank's time in collectives); time_wait: waiting for
+# slower ranks (older results have no time_wait: their time_allreduce holds both).
+PHASES = ("time_env", "time_inference", "time_update", "time_allreduce", "time_wait")
 
 
 class ReportError(ValueError):
@@ -44,6 +46,8 @@ class Point:
     envs_per_rank: int | None = None
     global_batch: int | None = None
     topology: dict[str, Any] = field(default_factory=dict)
+    busy_by_rank: list[float] = field(default_factory=list)  # mean seconds per iteration
+    wait_by_rank: list[float] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -71,8 +75,20 @@ def measure_run(run_dir: Path, warmup: int) -> dict[str, Any]:
     return {
         "measured_iterations": len(measured), "global_sps": global_sps, "per_rank_sps": global_sps / ranks,
         "iteration_s": wall / len(measured), "global_batch": batches[-1],
-        "phases_s": {k: sum(r[k] for r in measured) / len(measured) for k in PHASES},
+        "phases_s": {k: sum(r.get(k, 0.0) for r in measured) / len(measured) for k in PHASES},
+        **{f"{key}_by_rank": _mean_lists([r.get(f"time_{key}_by_rank") for r in measured])
+           for key in ("busy", "wait")},
     }
+
+
+def _mean_lists(lists: list[list[float] | None]) -> list[float]:
+    """Element-wise mean of per-rank lists of the same length (others, e.g. from a resize, skipped)."""
+    lists = [x for x in lists if x]
+    if not lists:
+        return []
+    size = len(lists[-1])
+    same = [x for x in lists if len(x) == size]
+    return [sum(x[i] for x in same) / len(same) for i in range(size)]
 
 
 def _point_from_run(run_dir: Path, plan_entry: dict[str, Any] | None) -> Point:
@@ -223,14 +239,75 @@ def _plot_scaling(points: list[Point], out: Path) -> list[str]:
             values = [max(v, 0.0) for v in values]
             ax.bar(labels, values, bottom=bottom, label=key.replace("time_", ""), color=f"C{j}")
             bottom = [b + v for b, v in zip(bottom, values)]
-        ax.set_ylabel("seconds per iteration (mean over ranks)")
+        ax.set_ylabel("seconds per iteration (mean over ranks)\nallreduce = communication, wait = for slower ranks")
         ax.set_title("Where an iteration's time goes" + ("  (* oversubscribed)" if any(p.oversubscribed for p in done) else ""))
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / "phases.png", dpi=120)
         plt.close(fig)
         files.append("phases.png")
+    files += _plot_ranks(done, out)
     return files
+
+
+def _plot_ranks(points: list[Point], out: Path) -> list[str]:
+    """Per-rank busy vs waiting time of every multi-rank point: imbalance at a glance."""
+    import matplotlib.pyplot as plt
+
+    shown = [p for p in points if len(p.busy_by_rank) > 1]
+    if not shown:
+        return []
+    fig, axes = plt.subplots(1, len(shown), figsize=(max(5, 2.6 * len(shown)), 3.8), squeeze=False)
+    for ax, p in zip(axes[0], shown):
+        ranks = list(range(len(p.busy_by_rank)))
+        ax.bar(ranks, p.busy_by_rank, label="busy", color="C0")
+        ax.bar(ranks, p.wait_by_rank, bottom=p.busy_by_rank, label="waiting for others", color="C3")
+        ax.set_title(f"{p.mode} {p.ranks}r" + (f" {p.nodes}n" if p.nodes > 1 else ""), fontsize=9)
+        ax.set_xlabel("rank")
+        ax.set_xticks(ranks)
+    axes[0][0].set_ylabel("seconds per iteration")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Load per rank (busy: env + inference + learner; waiting: at collectives)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "ranks.png", dpi=120)
+    plt.close(fig)
+    return ["ranks.png"]
+
+
+def plot_rank_timeline(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Per-rank busy and waiting time and environment counts over the iterations of one run,
+    with the load balancer's decisions marked: the imbalance before and after."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("time_busy_by_rank")]
+    iterations = [r["iteration"] for r in rows]
+    ranks = len(rows[-1]["time_busy_by_rank"]) if rows else 0
+    fig, (ax_t, ax_n) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    for rank in range(ranks):
+        values = [r["time_busy_by_rank"][rank] if len(r["time_busy_by_rank"]) > rank else None for r in rows]
+        waits = [r["time_wait_by_rank"][rank] if len(r["time_wait_by_rank"]) > rank else None for r in rows]
+        counts = [r["env_counts"][rank] if len(r.get("env_counts", [])) > rank else None for r in rows]
+        ax_t.plot(iterations, values, "-", color=f"C{rank}", label=f"rank {rank} busy")
+        ax_t.plot(iterations, waits, ":", color=f"C{rank}", label=f"rank {rank} waiting")
+        ax_n.step(iterations, counts, where="mid", color=f"C{rank}", label=f"rank {rank}")
+    changes = [b["iteration"] for a, b in zip(rows, rows[1:]) if a.get("env_counts") != b.get("env_counts")]
+    for x in changes:
+        for ax in (ax_t, ax_n):
+            ax.axvline(x - 0.5, color="gray", ls="--", alpha=0.6)
+    ax_t.set_ylabel("seconds per iteration")
+    ax_t.set_title(title, fontsize=10)
+    ax_t.legend(fontsize=7, ncol=2)
+    ax_t.grid(alpha=0.3)
+    ax_n.set_ylabel("environments")
+    ax_n.set_xlabel("iteration (dashed: the layout changed)")
+    ax_n.legend(fontsize=7)
+    ax_n.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _plot_allreduce(results: list[dict], out: Path) -> list[str]:
@@ -338,9 +415,12 @@ def write_report(paths: list[str], out_dir: str, title: str = "hvd_rl scaling st
         lines += ["", "![throughput and efficiency](scaling.png)", ""]
         if "phases.png" in plots:
             lines += ["![phase breakdown](phases.png)", ""]
+        if "ranks.png" in plots:
+            lines += ["Per rank, busy time (env + inference + learner) against time spent waiting for "
+                      "the other ranks at collectives:", "", "![load per rank](ranks.png)", ""]
         header = ("| mode | ranks | nodes | ranks/node | threads/rank | device | envs/rank | global batch "
                   "| iterations | global SPS | per-rank SPS | efficiency | env s | inference s | update s "
-                  "| allreduce s | iteration s | status |")
+                  "| allreduce s | wait s | iteration s | status |")
         lines += [header, "|" + "|".join(["---"] * (header.count("|") - 1)) + "|"]
         for p in sorted(points, key=lambda p: (p.mode, p.ranks, p.nodes)):
             t = p.topology

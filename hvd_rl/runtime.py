@@ -39,6 +39,7 @@ import torch
 from hvd_rl import __version__, distributed as dist
 from hvd_rl.algorithms import build_algorithm
 from hvd_rl.algorithms.base import Algorithm, IterationContext, IterationReport, NonFiniteLossError
+from hvd_rl.balance import Balancer
 from hvd_rl.checkpoint import (CheckpointError, check_compatible, find_resumable, list_checkpoints,
                                load_checkpoint, remove_stale_temporaries, save_checkpoint, warn)
 from hvd_rl.config import TrainConfig
@@ -155,6 +156,7 @@ class Runtime:
         torch.manual_seed(cfg.seed)  # identical initial networks everywhere (rank 0's win anyway)
         obs_space, action_space = probe_spaces(cfg)
         self.algorithm: Algorithm = build_algorithm(cfg, self.device, self.threads, obs_space, action_space)
+        self.balancer = Balancer(d.balance, d.balance_every, d.balance_threshold, d.balance_min_envs)
         self.logger: MetricsLogger | None = None
         self._layout: EnvLayout | None = None  # layout of the environments built on this rank
         self._built_rank = -1  # the rank they were built for (an elastic reset can renumber)
@@ -290,11 +292,13 @@ class Runtime:
     # ---- environments -----------------------------------------------------------------------
 
     def _wanted_layout(self, progress: Any) -> EnvLayout:
-        """The configured even layout for the current world (the load balancer changes it)."""
-        counts = tuple(progress.env_counts)
-        if len(counts) == dist.world_size():
-            return EnvLayout(counts)
-        return EnvLayout.even(dist.world_size(), self.cfg.env.num_envs)
+        """The current layout (restored, or chosen by the load balancer) if it fits this world;
+        else distributed.env_counts if it does; else env.num_envs on every rank."""
+        world = dist.world_size()
+        for counts in (tuple(progress.env_counts), tuple(self.cfg.distributed.env_counts)):
+            if len(counts) == world:
+                return EnvLayout(counts)
+        return EnvLayout.even(world, self.cfg.env.num_envs)
 
     def _ensure_envs(self, progress: Any, layout: EnvLayout) -> bool:
         """(Re)builds this rank's environments when the layout changed. Returns True if built."""
@@ -335,13 +339,15 @@ class Runtime:
         layout = self._layout
         iteration = progress.iteration + 1
         t_start = time.perf_counter()
+        cpu_start = time.process_time()
         clock_before = (dist.CLOCK.count, dist.CLOCK.seconds)
         context = IterationContext(iteration=iteration, global_step=progress.global_step,
                                    env_steps=env_steps, layout=layout, rank=topo.rank,
                                    world_size=topo.size, stop_requested=lambda: self.preemption.raised)
         report = self.algorithm.iterate(context)
         blocked = dist.CLOCK.seconds - clock_before[1]
-        per_rank, sums, episodes = self._gather(report, blocked, self.preemption.raised)
+        cpu = time.process_time() - cpu_start
+        per_rank, sums, episodes = self._gather(report, [blocked, cpu], self.preemption.raised)
         collectives = dist.CLOCK.count - clock_before[0]
         if cfg.debug.iteration_sleep:
             time.sleep(cfg.debug.iteration_sleep)
@@ -358,9 +364,11 @@ class Runtime:
                                      "stopping all ranks")
         # Time blocked in collectives: the fastest rank's is communication (it never waited for
         # anybody); what the others spent beyond that was waiting for slower ranks.
-        blocked_by_rank = per_rank[:, -2]
+        blocked_by_rank, cpu_by_rank = per_rank[:, -3], per_rank[:, -2]
         comm = float(blocked_by_rank.min())
         waits = blocked_by_rank - comm
+        busy = per_rank[:, [i for i, k in enumerate(keys) if k.startswith("time_")]].sum(axis=1)
+        local_steps = np.asarray(layout.counts, dtype=np.float64) * env_steps
         record: dict[str, Any] = {
             "iteration": iteration, "global_step": progress.global_step, "world_size": topo.size,
             "sps": global_batch / wall, "sps_per_rank": global_batch / topo.size / wall,
@@ -372,8 +380,13 @@ class Runtime:
         record.update(report.extra)
         record.update({
             "collectives": collectives, "time_allreduce": comm, "time_wait": float(waits.mean()),
-            "time_iteration": wall, "time_wait_by_rank": [float(w) for w in waits],
-            "env_counts": list(layout.counts),
+            "time_iteration": wall, "env_counts": list(layout.counts),
+            # Load monitoring, one value per rank: waiting at collectives, busy (compute) time,
+            # speed (env steps per busy second) and CPU use (cores busy on average).
+            "time_wait_by_rank": [float(w) for w in waits],
+            "time_busy_by_rank": [float(b) for b in busy],
+            "env_steps_per_busy_s_by_rank": [float(s) for s in local_steps / np.maximum(busy, 1e-9)],
+            "cpu_util_by_rank": [float(c) for c in cpu_by_rank / wall],
         })
         if cfg.distributed.verify_every and iteration % cfg.distributed.verify_every == 0:
             record["parameters_identical"] = dist.parameters_agree(self.algorithm.parameters_module(),
@@ -390,14 +403,15 @@ class Runtime:
         return record, stop
 
     @staticmethod
-    def _gather(report: IterationReport, blocked: float, stop: bool) -> tuple[np.ndarray, dict, np.ndarray]:
+    def _gather(report: IterationReport, runtime_values: list[float], stop: bool) -> tuple[np.ndarray, dict, np.ndarray]:
         """ONE allgather per iteration: every rank's metrics, sums, finished games and stop flag.
 
-        Rows are [kind, values...]: kind 0 holds a rank's [metrics..., sums..., blocked, stop]
-        (ranks in order), kind 1 a finished game (return, length).
-        Returns (per-rank [metrics..., blocked, stop] rows, summed sums, games [n, 2]).
+        Rows are [kind, values...]: kind 0 holds a rank's [metrics..., sums..., runtime values
+        (blocked seconds, CPU seconds), stop] (ranks in order), kind 1 a finished game (return,
+        length). Returns (per-rank [metrics..., runtime values..., stop] rows, summed sums,
+        games [n, 2]).
         """
-        values = list(report.metrics.values()) + list(report.sums.values()) + [blocked, 1.0 if stop else 0.0]
+        values = list(report.metrics.values()) + list(report.sums.values()) + runtime_values + [1.0 if stop else 0.0]
         width = max(len(values), 2) + 1
         rows = np.zeros((1 + len(report.episode_returns), width), dtype=np.float64)
         rows[0, 1:1 + len(values)] = values
@@ -410,7 +424,7 @@ class Runtime:
         ranks = gathered[kinds == 0, 1:1 + len(values)]
         n_metrics, n_sums = len(report.metrics), len(report.sums)
         sums = dict(zip(report.sums, ranks[:, n_metrics:n_metrics + n_sums].sum(axis=0).tolist()))
-        per_rank = np.concatenate([ranks[:, :n_metrics], ranks[:, -2:]], axis=1)
+        per_rank = np.concatenate([ranks[:, :n_metrics], ranks[:, n_metrics + n_sums:]], axis=1)
         return per_rank, sums, gathered[kinds == 1, 1:3]
 
     # ---- checkpoints ------------------------------------------------------------------------
@@ -470,14 +484,36 @@ class Runtime:
                 return ran
             if self._ensure_envs(progress, layout):
                 commit()  # elastic: the new seed offset survives a reset
-            _, stop = self._iteration(progress, env_steps)
+            record, stop = self._iteration(progress, env_steps)
             ran = True
+            self._rebalance(progress, layout, record)
             commit()
             every = cfg.checkpoint.every
             if stop:
                 self._preempt(progress)
             if every and progress.iteration % every == 0:
                 self._checkpoint(progress)
+
+    def _rebalance(self, progress: Any, layout: EnvLayout, record: dict[str, Any]) -> None:
+        """Feeds the balancer; when a decision is due, rank 0 decides and every rank adopts it
+        (the environments are rebuilt with fresh seeds before the next iteration)."""
+        if not self.balancer.enabled:
+            return
+        self.balancer.observe(layout.counts, np.asarray(record["time_busy_by_rank"]))
+        if not self.balancer.due(progress.iteration):
+            return
+        decision = self.balancer.decide(layout.counts) if dist.topology().rank == 0 else None
+        decision = dist.broadcast_object(decision and (decision.counts, decision.reason), name="balance.decision")
+        if decision is None:
+            return
+        counts, reason = decision
+        progress.env_counts = tuple(counts)
+        if dist.topology().rank == 0:
+            self._logger().note(f"rebalance after iteration {progress.iteration}: envs per rank "
+                                f"{_counts_text(list(layout.counts))} -> {_counts_text(list(counts))}; {reason}")
+            with open(self.run_dir / "balance.jsonl", "a") as f:
+                f.write(json.dumps({"iteration": progress.iteration, "global_step": progress.global_step,
+                                    "from": list(layout.counts), "to": list(counts), "reason": reason}) + "\n")
 
     def _finish(self, progress: Any, ran: bool) -> None:
         topo = dist.topology()

@@ -366,7 +366,8 @@ def test_elastic_training_survives_a_killed_worker(tmp_path):
     cmd = [BIN / "horovodrun", "-np", "3", "--min-np", "2", "--max-np", "3",
            "--host-discovery-script", hosts,
            *train_cmd(run_dir, *QUICK, f"ppo.total_timesteps={total}", "distributed.threads_per_rank=1",
-                      "debug.iteration_sleep=0.3", "checkpoint.every=0", extra=("--elastic",))]
+                      "debug.iteration_sleep=0.3", "checkpoint.every=0", "distributed.env_counts=[1, 2, 3]",
+                      extra=("--elastic",))]  # uneven shares on 3 ranks, the even default on 2
     proc = start(cmd, env=launch_env({"HOROVOD_GLOO_TIMEOUT_SECONDS": "10"}))
     wait_for_iterations(run_dir, 2, proc, timeout=180)
     os.kill(rank_pid(str(run_dir), 2), signal.SIGKILL)
@@ -375,6 +376,7 @@ def test_elastic_training_survives_a_killed_worker(tmp_path):
     assert "elastic reset: now 2 rank(s)" in out
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert rows[0]["world_size"] == 3 and rows[-1]["world_size"] == 2
+    assert rows[0]["env_counts"] == [1, 2, 3] and rows[-1]["env_counts"] == [2, 2]
     assert rows[-1]["global_step"] == total
     for previous, current in zip(rows, rows[1:]):
         one_iteration = previous["world_size"] * 64  # ranks x 2 envs x 32 steps
@@ -396,12 +398,14 @@ def test_elastic_training_grows_when_a_host_appears(tmp_path):
     discover.write_text(f"#!/bin/bash\ncat {hosts_file}\n")
     discover.chmod(0o755)
     run_dir = tmp_path / "run"
-    total = 64 * 3 * 2 * 8  # divisible by the global batches of 2 ranks (128) and 3 ranks (192)
+    # 4 environments in all, on 2 ranks (2 + 2) and on 3 (1 + 1 + 2): the global batch (128)
+    # stays the same, so the run ends exactly at total_timesteps wherever the new host joins.
+    total = 128 * 24
     cmd = [BIN / "horovodrun", "-np", "2", "--min-np", "2", "--max-np", "3",
            "--host-discovery-script", discover,
            *train_cmd(run_dir, *QUICK, f"ppo.total_timesteps={total}", "distributed.threads_per_rank=1",
                       "debug.iteration_sleep=0.3", "checkpoint.every=0", "distributed.verify_every=1",
-                      extra=("--elastic",))]
+                      "distributed.env_counts=[1, 1, 2]", extra=("--elastic",))]
     proc = start(cmd, env=launch_env({"HOROVOD_GLOO_TIMEOUT_SECONDS": "20"}))
     wait_for_iterations(run_dir, 2, proc, timeout=180)
     hosts_file.write_text("localhost:1\n127.0.0.1:1\n" + os.uname().nodename + ":1\n")
@@ -410,6 +414,7 @@ def test_elastic_training_grows_when_a_host_appears(tmp_path):
     assert "elastic reset: now 3 rank(s)" in out
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert rows[0]["world_size"] == 2 and rows[-1]["world_size"] == 3
+    assert rows[0]["env_counts"] == [2, 2] and rows[-1]["env_counts"] == [1, 1, 2]
     assert all(r["parameters_identical"] for r in rows)
     assert rows[-1]["global_step"] == total
     summary = json.loads((run_dir / "summary.json").read_text())

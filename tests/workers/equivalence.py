@@ -1,6 +1,7 @@
 """Worker: PPO update on a fixed global rollout batch; each rank takes its slice of environments.
 
-usage: equivalence.py OUT.pt {mlp|cnn} {global|local} [compression] [backward_passes_per_step] [amp]
+usage: equivalence.py OUT.pt {mlp|cnn} {global|local} [compression] [backward_passes_per_step] [amp] [counts] [iterations]
+counts: environments per rank, e.g. "3,5" (uneven shares; the 1-process run takes their sum).
 Rank 0 saves the updated parameters; the test compares 1 process with 2 ranks.
 """
 import sys
@@ -11,6 +12,7 @@ import torch
 
 from hvd_rl import distributed as dist
 from hvd_rl.config import ModelConfig, PPOConfig
+from hvd_rl.envs import EnvLayout
 from hvd_rl.models import build_model
 from hvd_rl.algorithms.ppo import Batch, PPOLearner
 from hvd_rl.precision import Precision
@@ -19,10 +21,16 @@ out, kind, norm = sys.argv[1], sys.argv[2], sys.argv[3]
 compression = sys.argv[4] if len(sys.argv) > 4 else "none"
 micro_batches = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 amp = sys.argv[6] if len(sys.argv) > 6 else "off"
+spec = [c for c in sys.argv[7].split(",") if c] if len(sys.argv) > 7 else []
+weighted = "unweighted" not in spec  # the control experiment: every rank weighted alike
+counts = [int(c) for c in spec if c.isdigit()] or None
+iterations = int(sys.argv[8]) if len(sys.argv) > 8 else 2
 topo = dist.init()
 torch.set_num_threads(1)
-T, E_GLOBAL = 16, 4
-local = E_GLOBAL // topo.size
+T = 16
+E_GLOBAL = sum(counts) if counts else 4
+layout = EnvLayout(tuple(counts)) if counts and topo.size > 1 else EnvLayout.even(topo.size, E_GLOBAL // topo.size)
+local, first = layout.counts[topo.rank], layout.first(topo.rank)
 if kind == "cnn":
     obs_space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
 else:
@@ -57,15 +65,16 @@ returns = values + advantages
 
 
 def mine(x):
-    part = x[:, topo.rank * local:(topo.rank + 1) * local]
+    part = x[:, first:first + local]
     return part.reshape((T * local,) + tuple(x.shape[2:]))
 
 
 batch = Batch(obs=mine(obs), actions=mine(actions), logprobs=mine(logp), values=mine(values),
               advantages=mine(advantages), returns=mine(returns))
 learner = PPOLearner(model, optimizer, cfg, seed=5)
-for iteration in (1, 2):
-    stats = learner.update(batch, iteration, topo.rank * local, local, T)
+for iteration in range(1, iterations + 1):
+    stats = learner.update(batch, iteration, first, local, T,
+                           share=local * layout.world_size / layout.total if weighted else 1.0)
 agree, _ = dist.parameters_agree(model, "final")
 assert agree, "ranks disagree"
 if topo.rank == 0:

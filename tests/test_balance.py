@@ -1,0 +1,98 @@
+"""Load balancing: the decision rule, and uneven layouts end to end with real ranks (training,
+checkpoints, resume, a real straggler)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import QUICK, check, mpirun_cmd, read_jsonl, run, train_cmd
+from hvd_rl.balance import Balancer, proportional_counts
+from hvd_rl.checkpoint import load_checkpoint
+
+
+def test_proportional_counts_keep_the_total_and_the_minimum():
+    assert proportional_counts(16, np.array([1.0, 1.0]), 1) == (8, 8)
+    assert proportional_counts(16, np.array([2.0, 1.0]), 1) == (11, 5)
+    assert proportional_counts(16, np.array([100.0, 1.0]), 2) == (14, 2)
+    assert sum(proportional_counts(17, np.array([0.3, 0.5, 0.2]), 1)) == 17
+    with pytest.raises(ValueError):
+        proportional_counts(3, np.array([1.0, 1.0]), 2)
+
+
+def _feed(balancer, counts, busy, iterations):
+    for _ in range(iterations):
+        balancer.observe(counts, np.array(busy))
+
+
+def test_dynamic_balancer_moves_work_to_the_fast_rank_with_hysteresis():
+    b = Balancer("dynamic", every=3, threshold=0.05)
+    _feed(b, (8, 8), [1.0, 2.0], 3)  # rank 1 is half as fast
+    assert b.due(3) and not b.due(4)
+    decision = b.decide((8, 8))
+    assert decision.counts == (11, 5) and "slowest rank" in decision.reason
+    _feed(b, (11, 5), [1.36, 1.26], 3)  # now nearly balanced: a move would gain < 5%
+    assert b.decide((11, 5)) is None
+    _feed(b, (8, 8), [1.0, 1.02], 3)  # balanced machines: nothing happens
+    assert b.decide((8, 8)) is None
+
+
+def test_static_balancer_decides_once_and_a_resize_restarts_measuring():
+    b = Balancer("static", every=2)
+    _feed(b, (4, 4), [1.0, 3.0], 2)
+    assert b.decide((4, 4)).counts == (6, 2)
+    assert not b.due(4) and not b.due(6)
+    d = Balancer("dynamic", every=2)
+    _feed(d, (4, 4), [1.0, 3.0], 1)
+    _feed(d, (3, 3, 2), [1.0, 1.0, 1.0], 1)  # elastic resize: old measurements are dropped
+    assert d.decide((3, 3, 2)) is None
+
+
+def test_uneven_layout_trains_checkpoints_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    sets = [*QUICK, "distributed.env_counts=[1, 3]", "distributed.verify_every=1"]
+    check(run(mpirun_cmd(2, *train_cmd(run_dir, *sets, "ppo.total_timesteps=640")), timeout=180))
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["global_step"] for r in rows] == [128 * i for i in range(1, 6)]  # 4 envs x 32 steps
+    assert all(r["env_counts"] == [1, 3] and r["parameters_identical"] for r in rows)
+    assert len(rows[0]["time_wait_by_rank"]) == 2 and len(rows[0]["cpu_util_by_rank"]) == 2
+    seeds = read_jsonl(run_dir / "env_seeds.jsonl")[0]["seeds_by_rank"]
+    assert [len(s) for s in seeds] == [1, 3] and len({x for s in seeds for x in s}) == 4
+    assert load_checkpoint(run_dir / "checkpoints" / "latest.pt")["env_counts"] == [1, 3]
+    # resume: the layout comes back from the checkpoint (even without the config option)
+    check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=1280", "distributed.verify_every=1",
+                                        extra=("--resume", "auto"))), timeout=180))
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert rows[-1]["global_step"] == 1280 and all(r["env_counts"] == [1, 3] for r in rows)
+    assert json.loads((run_dir / "summary.json").read_text())["parameters_identical"]
+
+
+def test_dynamic_balancing_shifts_environments_off_a_real_straggler(tmp_path):
+    """Rank 1's core is shared with a busy loop (mpirun binds rank r to core r): the balancer sees
+    rank 1 slower and gives rank 0 more environments, the same decision on both ranks."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs: one per rank")
+    run_dir = tmp_path / "run"
+    hog = subprocess.Popen(["taskset", "-c", str(sorted(os.sched_getaffinity(0))[1]), sys.executable, "-c",
+                            "while True: pass"])
+    try:
+        result = run(["mpirun", "-np", "2", "--oversubscribe", *train_cmd(
+            run_dir, "logging.tensorboard=false", "env.num_envs=8", "ppo.num_steps=64", "ppo.update_epochs=2",
+            "ppo.total_timesteps=8192", "distributed.balance=dynamic", "distributed.balance_every=3",
+            "distributed.verify_every=1")], timeout=300)
+    finally:
+        hog.kill()
+    out = check(result)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    decisions = read_jsonl(run_dir / "balance.jsonl")
+    assert decisions and decisions[0]["iteration"] == 3 and decisions[0]["from"] == [8, 8]
+    first = decisions[0]["to"]
+    assert first[0] > first[1] and sum(first) == 16 and "rebalance after iteration 3" in out
+    assert rows[3]["env_counts"] == first  # applied from the next iteration on, on every rank
+    assert all(r["parameters_identical"] for r in rows) and rows[-1]["global_step"] == 8192
+    builds = read_jsonl(run_dir / "env_seeds.jsonl")
+    assert len(builds) >= 2 and builds[1]["env_counts"] == first  # rebuilt with fresh seeds
+    seeds = [s for b in builds for r in b["seeds_by_rank"] for s in r]
+    assert len(seeds) == len(set(seeds))
