@@ -126,13 +126,16 @@ def main() -> int:
              "wait s/it rank 0/1 | decided after iteration |", "|---|---|---:|---:|---|---|---|---|"]
     for key, runs in results.items():
         scenario, mode = key.split("/")
-        med = lambda f: statistics.median(f(r) for r in runs)  # noqa: E731
-        lines.append(
-            f"| {scenario} | {mode} | {med(lambda r: r['sps']):.0f} | {med(lambda r: r['sps_settled']):.0f} | "
-            f"{' / '.join(str(r['final_env_counts']) for r in runs)} | "
-            f"{'/'.join(f'{med(lambda r, i=i: r['busy_by_rank'][i]):.2f}' for i in range(2))} | "
-            f"{'/'.join(f'{med(lambda r, i=i: r['wait_by_rank'][i]):.2f}' for i in range(2))} | "
-            f"{', '.join(str(r['settled_after_iteration']) for r in runs)} |")
+
+        def med(get, runs=runs):
+            return statistics.median(get(r) for r in runs)
+
+        busy = "/".join(f"{med(lambda r, i=i: r['busy_by_rank'][i]):.2f}" for i in range(2))
+        wait = "/".join(f"{med(lambda r, i=i: r['wait_by_rank'][i]):.2f}" for i in range(2))
+        counts = " / ".join(str(r["final_env_counts"]) for r in runs)
+        settled = ", ".join(str(r["settled_after_iteration"]) for r in runs)
+        lines.append(f"| {scenario} | {mode} | {med(lambda r: r['sps']):.0f} | {med(lambda r: r['sps_settled']):.0f} | "
+                     f"{counts} | {busy} | {wait} | {settled} |")
     lines += ["", f"- straggler: dynamic / static throughput = **{summary['straggler_dynamic_over_static']:.2f}x** "
               f"(settled {summary['straggler_dynamic_over_static_settled']:.2f}x)",
               f"- balanced machine: dynamic / static = {summary['balanced_dynamic_over_static']:.2f}x "
