@@ -3,6 +3,7 @@
 #
 #   scripts/setup.sh            # OpenMPI (apt, if mpirun is missing), .venv, torch, Horovod, hvd_rl
 #   scripts/setup.sh --slurm    # also the Debian SLURM + munge packages used by the SLURM tests
+#   scripts/setup.sh --plan     # print what a run would install or rebuild, change nothing
 #
 # Environment knobs:
 #   HVD_RL_VENV             virtual environment to create/use            (default: <repo>/.venv)
@@ -26,10 +27,12 @@ CACHE="${HVD_RL_CACHE:-$HOME/.cache/hvd_rl}"
 HOROVOD_VERSION=0.28.1
 PATCH="$REPO_ROOT/scripts/horovod-$HOROVOD_VERSION-cxx17.patch"
 WITH_SLURM=0
+PLAN_ONLY=0
 for arg in "$@"; do
   case "$arg" in
     --slurm) WITH_SLURM=1 ;;
-    -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    --plan) PLAN_ONLY=1 ;;
+    -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "setup.sh: unknown option '$arg' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -47,6 +50,36 @@ apt_install() {
   as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 }
+
+# What an existing environment needs: the torch the caller asked for, and a Horovod built for it
+# (with NCCL when HOROVOD_GPU_OPERATIONS=NCCL). A venv made for CPUs is not "done" for a GPU build.
+TORCH_SPEC_FILE="${VENV}/.hvd_rl_torch_spec"
+torch_action() {
+  if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then echo "install"; return; fi
+  if [ -f "$TORCH_SPEC_FILE" ] && [ "$(cat "$TORCH_SPEC_FILE")" != "$TORCH_REQ" ]; then echo "reinstall (HVD_RL_TORCH changed)"; return; fi
+  if [ -n "${HOROVOD_GPU_OPERATIONS:-}" ] && ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.version.cuda is None)" 2>/dev/null; then
+    echo "reinstall (HOROVOD_GPU_OPERATIONS=$HOROVOD_GPU_OPERATIONS but the installed torch has no CUDA)"; return
+  fi
+  echo "keep"
+}
+horovod_action() {
+  local want_nccl=0
+  [ "${HOROVOD_GPU_OPERATIONS:-}" = NCCL ] && want_nccl=1
+  if ! "$VENV/bin/python" -c "
+import sys, horovod, horovod.torch as hvd
+assert horovod.__version__ == '0.28.1'
+assert hvd.mpi_built() and hvd.gloo_built()
+assert hvd.nccl_built() or $want_nccl == 0" 2>/dev/null; then
+    echo "build or install (missing, or without the requested NCCL)"; return
+  fi
+  echo "keep"
+}
+if [ "$PLAN_ONLY" = 1 ]; then
+  echo "venv:    $([ -x "$VENV/bin/python" ] && echo "keep $VENV" || echo "create $VENV")"
+  echo "torch:   $(torch_action) ($TORCH_REQ)"
+  echo "horovod: $([ "$(torch_action)" = keep ] && horovod_action || echo "rebuild (torch changes)")"
+  exit 0
+fi
 
 # 1. MPI: a site's module usually provides it; otherwise Debian's OpenMPI.
 if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null; then
@@ -76,23 +109,19 @@ if [ -f "$STAMP" ] && [ -f "$VENV/.hvd_rl_check_build" ] && [ "$(cat "$STAMP")" 
   exit 0
 fi
 
-if ! "$PY" -c "import torch" 2>/dev/null; then
-  log "installing $TORCH_REQ"
+TORCH_ACTION="$(torch_action)"
+if [ "$TORCH_ACTION" != keep ]; then
+  log "torch: $TORCH_ACTION: $TORCH_REQ"
   read -r -a TORCH_ARGS <<< "$TORCH_REQ"  # may carry pip options, e.g. --index-url for CUDA builds
-  pip_install "${TORCH_ARGS[@]}" numpy
+  pip_install --upgrade "${TORCH_ARGS[@]}" numpy
+  "$PY" -m pip uninstall -q -y horovod 2>/dev/null || true  # built against the old torch
 fi
+printf '%s' "$TORCH_REQ" > "$TORCH_SPEC_FILE"
 pip_install setuptools wheel packaging psutil pyyaml cloudpickle cffi
 command -v cmake >/dev/null || pip_install "cmake>=3.13,<4"
 
 # 3. Horovod from a cached wheel, or built from the patched sdist once.
-horovod_ok() {
-  "$PY" - <<'EOF' 2>/dev/null
-import horovod, horovod.torch as hvd
-assert horovod.__version__ == "0.28.1"
-assert hvd.mpi_built() and hvd.gloo_built()
-EOF
-}
-if horovod_ok; then
+if [ "$(horovod_action)" = keep ]; then
   log "Horovod $HOROVOD_VERSION already installed"
 else
   TORCH_VERSION="$("$PY" -c 'import torch; print(torch.__version__)')"
@@ -113,6 +142,19 @@ else
     (cd "$BUILD/horovod-$HOROVOD_VERSION" && patch -p1 -s < "$PATCH")
     GPU_FLAGS=()
     [ -n "${HOROVOD_GPU_OPERATIONS:-}" ] && GPU_FLAGS=(HOROVOD_GPU_OPERATIONS="$HOROVOD_GPU_OPERATIONS")
+    if [ "${HOROVOD_GPU_OPERATIONS:-}" = NCCL ] && [ -z "${HOROVOD_NCCL_HOME:-}" ]; then
+      # CUDA torch wheels bring NCCL as the nvidia-nccl-cu* wheel: headers and libnccl.so.2, but
+      # no unversioned libnccl.so for the linker. Point Horovod's CMake at a home that has both.
+      NCCL_PKG="$("$PY" -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))" 2>/dev/null || true)"
+      if [ -n "$NCCL_PKG" ] && [ -f "$NCCL_PKG/lib/libnccl.so.2" ]; then
+        mkdir -p "$BUILD/nccl/lib"
+        ln -sf "$NCCL_PKG/include" "$BUILD/nccl/include"
+        ln -sf "$NCCL_PKG/lib/libnccl.so.2" "$BUILD/nccl/lib/libnccl.so"
+        ln -sf "$NCCL_PKG/lib/libnccl.so.2" "$BUILD/nccl/lib/libnccl.so.2"
+        GPU_FLAGS+=(HOROVOD_NCCL_HOME="$BUILD/nccl" HOROVOD_NCCL_LINK=SHARED)
+        log "NCCL from the nvidia-nccl wheel: $NCCL_PKG"
+      fi
+    fi
     env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
         HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
         MAKEFLAGS="-j$(nproc)" "${GPU_FLAGS[@]}" \
@@ -126,6 +168,12 @@ else
   fi
   pip_install --force-reinstall --no-deps "$WHEEL_DIR"/horovod-*.whl
   pip_install "$(ls "$WHEEL_DIR"/horovod-*.whl)"
+fi
+
+if [ "${HOROVOD_GPU_OPERATIONS:-}" = NCCL ] && ! "$PY" -c "import sys, horovod.torch as h; sys.exit(not h.nccl_built())"; then
+  echo "setup.sh: Horovod was built without NCCL although HOROVOD_GPU_OPERATIONS=NCCL: check CUDA (nvcc)" \
+       "and NCCL (HOROVOD_NCCL_HOME, or the nvidia-nccl wheel of a CUDA torch)" >&2
+  exit 1
 fi
 
 # 4. The project itself, with the test extras.
