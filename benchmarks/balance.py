@@ -120,7 +120,7 @@ def main() -> int:
              f"iterations per run, `distributed.balance_every = {args.every}`, {args.rounds} rounds with the "
              "order rotating. Straggler: a busy loop pinned to rank 1's core (about half a core left). "
              "Throughput over every iteration after the first (the balancer's learning period included), "
-             "and settled: after its last change. Nothing else ran on the machine.", "",
+             "and settled: after its last change. Nothing else CPU-heavy ran on the machine.", "",
              f"Command: `python benchmarks/balance.py {' '.join(sys.argv[1:])}`", "",
              "| scenario | balance | SPS (median) | settled SPS | final envs per rank | busy s/it rank 0/1 | "
              "wait s/it rank 0/1 | decided after iteration |", "|---|---|---:|---:|---|---|---|---|"]

@@ -85,9 +85,12 @@ def apply_runtime_settings(yield_when_idle: bool = True, cycle_time_ms: float = 
     return settings
 
 
+RUNTIME_SETTINGS: list[RuntimeSetting] = []  # what init() found or set, for the run's log
+
+
 def init(yield_when_idle: bool = True, cycle_time_ms: float = 0.0,
          hierarchical_allreduce: bool = False) -> Topology:
-    apply_runtime_settings(yield_when_idle, cycle_time_ms, hierarchical_allreduce)
+    RUNTIME_SETTINGS[:] = apply_runtime_settings(yield_when_idle, cycle_time_ms, hierarchical_allreduce)
     tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
     if tasks.isdigit() and int(tasks) > 1 and not launched():
         # srun without an MPI plugin: MPI could not find the other tasks (Open MPI aborts with a

@@ -264,6 +264,11 @@ class Runtime:
             f"{self.algorithm.name}: {topo.size} rank(s) on {topo.cross_size} node(s), "
             f"{self.threads} thread(s)/rank, device {self.device}, {self.algorithm.describe()}, "
             f"{self._runtime_note()}, env {cfg.env.id} ({cfg.env.backend})")
+        for setting in dist.RUNTIME_SETTINGS:
+            if setting.source == "environment" and setting.name == dist.YIELD_VAR and setting.value == "0":
+                self.logger.note(f"warning: {setting.name}=0 from the environment: ranks busy-poll while "
+                                 "they wait and take the core from their own compute (~35% slower with one "
+                                 "core per rank); unset it to let distributed.mpi_yield_when_idle decide")
         if info["path"]:
             line = (f"resuming from {info['path']} at iteration {info['iteration']}, "
                     f"global step {info['global_step']}")

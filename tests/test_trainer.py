@@ -131,3 +131,19 @@ def test_atari_breakout_two_ranks_two_iterations(tmp_path, backend, envs):
     _well_formed(rows, 2, batch)
     assert sum(r["episodes"] for r in rows) > 0
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+
+
+def test_waiting_settings_are_applied_before_mpi_starts_and_an_override_is_reported(tmp_path):
+    """The trainer puts OMPI_MCA_mpi_yield_when_idle and HOROVOD_CYCLE_TIME into its own
+    environment before MPI_Init under every launcher; a user's explicit busy-polling is kept
+    but said once."""
+    run_dir = tmp_path / "run"
+    check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=256")), timeout=180))
+    settings = json.loads((run_dir / "summary.json").read_text())["topology"]["runtime_settings"]
+    assert settings == {"OMPI_MCA_mpi_yield_when_idle": "1", "HOROVOD_CYCLE_TIME": "2"}
+    forced = tmp_path / "forced"
+    out = check(run(mpirun_cmd(2, "-x", "OMPI_MCA_mpi_yield_when_idle=0",
+                               *train_cmd(forced, *QUICK, "ppo.total_timesteps=256")), timeout=180))
+    assert out.count("OMPI_MCA_mpi_yield_when_idle=0 from the environment: ranks busy-poll") == 1
+    settings = json.loads((forced / "summary.json").read_text())["topology"]["runtime_settings"]
+    assert settings["OMPI_MCA_mpi_yield_when_idle"] == "0"
