@@ -109,17 +109,6 @@ class LossTerms:
     clipfrac: torch.Tensor
 
 
-@dataclass
-class LossTerms:
-    total: torch.Tensor
-    policy: torch.Tensor
-    value: torch.Tensor
-    entropy: torch.Tensor
-    approx_kl: torch.Tensor
-    old_approx_kl: torch.Tensor
-    clipfrac: torch.Tensor
-
-
 def ppo_loss(new_logprobs: torch.Tensor, entropy: torch.Tensor, new_values: torch.Tensor,
              old_logprobs: torch.Tensor, old_values: torch.Tensor, advantages: torch.Tensor,
              returns: torch.Tensor, cfg: PPOConfig) -> LossTerms:
