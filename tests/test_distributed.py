@@ -123,3 +123,14 @@ def test_bf16_two_ranks_stay_close_to_one_process(tmp_path):
     precision_error = _relative_update_error(fp32, one)
     assert 0 < split_error < 0.3 and split_error < precision_error
     assert abs(one["kl"] - two["kl"]) < 2e-3 and abs(one["kl"] - fp32["kl"]) < 3e-3
+
+
+def test_broadcast_gives_every_rank_rank0s_loss_scale_and_statistics():
+    """fp16 loss scaling: ranks unscale the averaged gradient with their scale, so after a resume
+    (rank 0 read the checkpoint) or an elastic sync every rank must hold rank 0's."""
+    rows = [r for r in _json_lines(check(run(mpirun_cmd(2, PYTHON, WORKERS / "scaler.py"), timeout=120)))
+            if "after" in r]
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    assert {r["before"] for r in rows} == {2.0 ** 10, 2.0 ** 11}  # they really differed
+    assert {r["after"] for r in rows} == {2.0 ** 10}
+    assert rows[0]["obs_mean"] == rows[1]["obs_mean"]
