@@ -28,6 +28,8 @@ sys.path.insert(0, str(REPO))
 
 import horovod.torch as hvd  # noqa: E402
 
+from hvd_rl import distributed as dist  # noqa: E402
+from hvd_rl.config import DistributedConfig  # noqa: E402
 from hvd_rl.launch import launched, relaunch_under_mpirun  # noqa: E402
 
 DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024  # Horovod 0.28 defaults (horovod/common/operations.cc)
@@ -74,7 +76,8 @@ def main() -> int:
     if not launched() and args.np > 1:
         return relaunch_under_mpirun(args.np)
 
-    hvd.init()
+    defaults = DistributedConfig()  # wait as the trainer does (yield, Horovod cycle time)
+    dist.init(defaults.mpi_yield_when_idle, defaults.cycle_time_ms)
     torch.set_num_threads(1)
     ranks = hvd.size()
     for i in range(20):  # first collectives pay for Horovod's setup and response-cache warm-up
@@ -122,6 +125,7 @@ def main() -> int:
         "controller": "mpi" if hvd.mpi_enabled() else "gloo", "rows": rows, "gradient": gradient,
         "fusion_threshold_bytes": int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)),
         "cycle_time_ms": float(os.environ.get("HOROVOD_CYCLE_TIME", DEFAULT_CYCLE_TIME_MS)),
+        "mpi_yield_when_idle": os.environ.get(dist.YIELD_VAR),
         "busbw_factor": "2(n-1)/n", "machine": {"hostname": platform.node(), "cpus": os.cpu_count(),
                                                 "torch": torch.__version__},
     }
