@@ -55,12 +55,16 @@ apt_install() {
 # (with NCCL when HOROVOD_GPU_OPERATIONS=NCCL). A venv made for CPUs is not "done" for a GPU build.
 TORCH_SPEC_FILE="${VENV}/.hvd_rl_torch_spec"
 torch_action() {
+  # Names every reason, so a user sees all that is wrong with the venv at once.
   if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then echo "install"; return; fi
-  if [ -f "$TORCH_SPEC_FILE" ] && [ "$(cat "$TORCH_SPEC_FILE")" != "$TORCH_REQ" ]; then echo "reinstall (HVD_RL_TORCH changed)"; return; fi
+  local reasons=()
+  if [ -f "$TORCH_SPEC_FILE" ] && [ "$(cat "$TORCH_SPEC_FILE")" != "$TORCH_REQ" ]; then reasons+=("HVD_RL_TORCH changed"); fi
   if [ -n "${HOROVOD_GPU_OPERATIONS:-}" ] && ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.version.cuda is None)" 2>/dev/null; then
-    echo "reinstall (HOROVOD_GPU_OPERATIONS=$HOROVOD_GPU_OPERATIONS but the installed torch has no CUDA)"; return
+    reasons+=("HOROVOD_GPU_OPERATIONS=$HOROVOD_GPU_OPERATIONS but the installed torch has no CUDA")
   fi
-  echo "keep"
+  if [ ${#reasons[@]} -eq 0 ]; then echo "keep"; return; fi
+  local joined; joined="$(printf '%s; ' "${reasons[@]}")"
+  echo "reinstall (${joined%; })"
 }
 horovod_action() {
   local want_nccl=0

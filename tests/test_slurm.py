@@ -36,7 +36,9 @@ def test_rendered_templates_pass_bash_n_and_carry_the_options(tmp_path, template
                  "#SBATCH --time=1-02:00:00", "#SBATCH --partition=batch", "#SBATCH --account=proj42",
                  "#SBATCH --signal=B:USR1@300", "#SBATCH --requeue"):
         assert line in text, line
-    assert "SET_ARGS=(--set=env.id=ALE/Pong-v5 --set=ppo.total_timesteps=2e7)" in text
+    # The GPU template keeps its own setting (device=cuda) ahead of the user's.
+    device = "--set=distributed.device=cuda " if template == "gpu" else ""
+    assert f"SET_ARGS=({device}--set=env.id=ALE/Pong-v5 --set=ppo.total_timesteps=2e7)" in text
     assert f"HVD_RL_HOME={REPO}" in text
     assert 'source "$HVD_RL_HOME/slurm/lib.sh"' in text and "hvd_rl_train_requeueable" in text
     if template == "gpu":
