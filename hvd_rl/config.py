@@ -35,7 +35,7 @@ class EnvConfig:
     clip_rewards: bool = True
     repeat_action_probability: float = 0.0  # sticky actions at the ALE level (0 = NoFrameskip-v4)
     max_episode_steps: int = 0  # 0 = the environment's own limit
-    env_threads: int = 0  # ale_vector worker threads; 0 = this rank's CPU threads
+    env_threads: int = 0  # ale_vector: envs stepped at once (C++ threads); 0 = this rank's CPU threads
 
 
 @dataclass
