@@ -131,6 +131,10 @@ class DistributedConfig:
     balance_threshold: float = 0.05  # act only if the slowest rank gets at least this much faster
     balance_min_envs: int = 1  # environments every rank keeps
     elastic_min_np: int = 1  # informational for `hvd-rl train --elastic`; horovodrun enforces it
+    # Seconds without an answer from the other ranks (a heartbeat over Horovod, hvd_rl/watchdog.py)
+    # before a rank gives up and exits 4: a node that went silent (power, link) ends the job instead
+    # of hanging in a collective. Must exceed the longest single allreduce/broadcast. 0: off.
+    peer_timeout: float = 30.0
 
 
 @dataclass
@@ -411,6 +415,7 @@ def validate(cfg: TrainConfig) -> None:
              "which only algorithm 'ppo' supports")
         need(d.reduction == "average", "distributed.balance needs distributed.reduction = 'average' "
              "(Adasum does not weight ranks by their share)")
+    need(d.peer_timeout >= 0, f"distributed.peer_timeout must be >= 0 (0: off), got {d.peer_timeout}")
     need(d.elastic_min_np >= 1, f"distributed.elastic_min_np must be >= 1, got {d.elastic_min_np}")
     need(cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
     need(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")

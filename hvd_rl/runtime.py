@@ -36,7 +36,7 @@ import numpy as np
 from horovod.common.elastic import ObjectState
 import torch
 
-from hvd_rl import __version__, distributed as dist
+from hvd_rl import __version__, distributed as dist, watchdog
 from hvd_rl.algorithms import build_algorithm
 from hvd_rl.algorithms.base import Algorithm, IterationContext, IterationReport, NonFiniteLossError
 from hvd_rl.balance import Balancer
@@ -52,6 +52,7 @@ EXIT_FAILURE = 1  # unexpected error (a bug, a crashed rank)
 EXIT_BAD_INPUT = 2  # config, environment, checkpoint or run-directory problem
 EXIT_NONFINITE = 3  # NaN/Inf loss: the last good checkpoint is left untouched
 EXIT_PREEMPTED = 75  # checkpointed after SIGTERM/SIGUSR1; rerun with --resume auto (EX_TEMPFAIL)
+EXIT_PEER_LOST = watchdog.EXIT_PEER_LOST  # 4: the other ranks stopped answering (a node down)
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PREEMPTED_MARKER = "preempted.json"  # written by rank 0 next to the checkpoint when preempted
@@ -540,6 +541,9 @@ class Runtime:
                 "global_step": progress.global_step, "total_timesteps": self.cfg.total_timesteps,
                 "world_size": topo.size, "parameters_identical": identical,
                 "parameter_digests": digests, "wall_seconds": time.time() - self._start_time,
+                # What one gradient allreduce moves (the scaling report's projection uses it).
+                "gradient_bytes": sum(p.numel() * p.element_size()
+                                      for p in self.algorithm.parameters_module().parameters() if p.requires_grad),
                 "topology": self._topology(ranks),
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -563,11 +567,14 @@ class Runtime:
 
     def train(self) -> None:
         progress = Progress()
+        peers = watchdog.PeerWatchdog(self.cfg.distributed.peer_timeout)
         try:
             self._setup(progress)
+            peers.start()  # after setup's collectives: the ranks are in step
             ran = self._run(progress, commit=lambda: None)
             self._finish(progress, ran)
         finally:
+            peers.stop()
             self.close()
 
     def train_elastic(self) -> None:
