@@ -12,6 +12,8 @@
 #   slurm/sim_cluster.sh rate 10gbit [node1 ...]            # per-link bandwidth limit (tc tbf); 'off'
 #   slurm/sim_cluster.sh link node2 down|up                 # take a node's link down / bring it back
 #   slurm/sim_cluster.sh pids node2                         # every process running on a node
+#   slurm/sim_cluster.sh crash node2                        # SIGKILL every process on a node (slurmd too)
+#   slurm/sim_cluster.sh boot node2                         # start a crashed node again (link up, slurmd)
 #   slurm/sim_cluster.sh check                              # can namespaces be used here? (exit 3: no)
 #   slurm/sim_cluster.sh stop                               # everything goes; only the logs stay
 #
@@ -191,6 +193,12 @@ add_host() {  # a namespace with its link to the bridge, its hostname and node-l
   ip -n "$ns" addr add "$ip/24" dev "$NIC"
   ip -n "$ns" link set "$NIC" up
   mkdir -p "$STATE/nodes/$name/tmp"
+  start_holder "$name"
+}
+
+start_holder() {  # the process that owns a node's hostname and mounts (see add_host)
+  local name="$1" ns
+  ns="$(ns_of "$name")"
   # The holder: a sleeping process inside the node's network namespace that owns a new UTS
   # namespace (hostname) and mount namespace: its own $STATE/tmp, and an /etc/hosts that names
   # the nodes (seen only inside the nodes; this host's file is untouched). Everything on the node
@@ -298,12 +306,45 @@ start() {
   start_munge
   local clean=(env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root)
   (cd / && in_node head "${clean[@]}" "$STATE/bin/simslurmctld" -f "$CONF" -i)
-  for k in $(seq 1 "$n"); do
-    (cd / && in_node "node$k" "${clean[@]}" "$STATE/bin/simslurmd" -f "$CONF")
-  done
+  for k in $(seq 1 "$n"); do start_slurmd "node$k"; done
   wait_idle "$n"
   trap - ERR
   status_line
+}
+
+start_slurmd() {
+  (cd / && in_node "$1" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root "$STATE/bin/simslurmd" -f "$CONF")
+}
+
+# ---- faults ------------------------------------------------------------------------------------
+
+crash() {  # every process running on a node dies at once (SIGKILL), slurmd and job steps included.
+  # The node's kernel stays: its peers see their TCP connections reset (take the link down as
+  # well for a node that goes silent). The holder of its namespaces is kept for 'boot'.
+  local name="$1" holder p pids i
+  ip netns list 2>/dev/null | grep -q "^$(ns_of "$name")\b" || die "no node '$name' is running"
+  holder="$(holder_pid "$name")"
+  for i in $(seq 1 20); do
+    pids=""
+    for p in $(ip netns pids "$(ns_of "$name")" 2>/dev/null); do [ "$p" = "$holder" ] || pids+=" $p"; done
+    [ -n "$pids" ] || break
+    kill -KILL $pids 2>/dev/null || true
+    sleep 0.1
+  done
+  rm -f "$STATE/run/slurmd.$name.pid"
+  note "$name crashed: every process on it killed"
+}
+
+boot() {  # a crashed node comes back: link up, namespaces, slurmd (SLURM returns it to service)
+  local name="$1"
+  ip netns list 2>/dev/null | grep -q "^$(ns_of "$name")\b" || die "no node '$name' in this cluster"
+  ip link set "$(veth_of "$name")" up
+  [ -n "$(holder_pid "$name")" ] || start_holder "$name"
+  pid_alive "$STATE/run/slurmd.$name.pid" || start_slurmd "$name"
+  local i
+  for i in $(seq 1 50); do pid_alive "$STATE/run/slurmd.$name.pid" && break; sleep 0.1; done
+  pid_alive "$STATE/run/slurmd.$name.pid" || die "slurmd did not start on $name (see $STATE/logs/slurmd.$name.log)"
+  note "$name booted"
 }
 
 status_line() {
@@ -404,6 +445,8 @@ case "$cmd" in
     [ $# -ge 2 ] || die "exec NODE COMMAND..."
     node="$1"; shift; in_node "$node" "$@" ;;
   pids) [ $# -eq 1 ] || die "pids NODE"; ip netns pids "$(ns_of "$1")" ;;
+  crash) [ $# -eq 1 ] && [[ "$1" =~ ^node[0-9]+$ ]] || die "crash NODE"; crash "$1" ;;
+  boot) [ $# -eq 1 ] && [[ "$1" =~ ^node[0-9]+$ ]] || die "boot NODE"; boot "$1" ;;
   link)
     [ $# -eq 2 ] && [[ "$2" =~ ^(up|down)$ ]] || die "link NODE up|down"
     ip link show "$(veth_of "$1")" >/dev/null 2>&1 || die "no node '$1' is running"
@@ -414,5 +457,5 @@ case "$cmd" in
     r="$1"; shift
     if [ $# -gt 0 ]; then set_rate "$r" "$@"; else set_rate "$r" $(node_names); fi
     status_line ;;
-  *) sed -n '2,21p' "$SELF"; exit 2 ;;
+  *) sed -n '2,23p' "$SELF"; exit 2 ;;
 esac
