@@ -1,0 +1,263 @@
+"""Weak-scaling projection: measured per-rank compute time plus an allreduce cost model fitted to
+the allreduce benchmark, extrapolated to many ranks and other interconnects.
+
+Cost of one allreduce of S bytes over n ranks (the classic alpha-beta model, per link and direction
+bandwidth B, per-step network latency alpha, per-operation overhead c):
+
+    ring          c + 2(n-1) alpha        + 2(n-1)/n S/B      (Horovod's CPU path: MPI/Gloo ring)
+    tree          c + 2 ceil(log2 n) alpha + 2(n-1)/n S/B     (recursive halving/doubling, Rabenseifner:
+                                                               the latency of a tree, the volume of a ring)
+    hierarchical  c + [2(g-1) alpha_l + 2(g-1)/g S/B_l]  +  [2(m-1) alpha + 2(m-1)/m S/B]
+                  (g ranks per node reduce on the node's own bus, m = n/g nodes reduce over the network;
+                   Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE with NCCL)
+
+c is Horovod's own price per collective (negotiation in its background thread, cycle time, copies
+into the fusion buffer) and does not grow with n in this model. The benchmark across 2 nodes
+measures t(S) = c + 2 alpha + S/B; the same benchmark with both ranks on one node (shared memory,
+alpha ~ 0) separates c from alpha. Without it, alpha is taken as 0 and the whole constant is c.
+
+Weak scaling keeps the work per rank: an iteration takes the compute time of one rank (env steps,
+inference, learner: every phase that is not communication) plus, per iteration, `gradient_rounds`
+allreduces of the gradient and `small_collectives` latency-bound ones (metrics, stop flags).
+Efficiency(n) = T(1) / T(n). Overlap of the gradient allreduce with the backward pass is ignored,
+so the model errs on the slow side.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+ALGORITHMS = ("ring", "tree", "hierarchical")
+SMALL_COLLECTIVE_BYTES = 64  # the runtime's per-iteration metrics/flags collectives
+
+# Published anchors for the report (other workloads: far more compute per gradient byte than a
+# Nature CNN on one CPU core, so they show what well-balanced jobs reach, not what this one will).
+ANCHORS = (
+    {"label": "Horovod: ResNet-101 / Inception V3, 512 GPUs, 25 Gbit/s RoCE", "ranks": 512, "efficiency": 0.90,
+     "source": "Horovod benchmarks (docs/benchmarks.rst, github.com/horovod/horovod): 128 servers x 4 Pascal "
+               "GPUs on RoCE-capable 25 Gbit/s, 90% scaling efficiency for Inception V3 and ResNet-101, "
+               "68% for VGG-16; Sergeev & Del Balso, arXiv:1802.05799"},
+    {"label": "DD-PPO: 107x on 128 GPUs", "ranks": 128, "efficiency": 107 / 128,
+     "source": "Wijmans et al., DD-PPO, ICLR 2020, arXiv:1911.00357 (abstract: 'a speedup of 107x on 128 GPUs "
+               "over a serial implementation', i.e. 84% efficiency)"},
+)
+
+
+class ProjectionError(ValueError):
+    pass
+
+
+# ---- interconnect labels --------------------------------------------------------------------
+
+_RATE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt])(?:i?bit|bps|b/s|bit/s)", re.I)
+_UNITS = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_rate(text: str | None) -> float | None:
+    """Bits per second from a label such as '1gbit', '10 Gbit/s', '100Mbit' (tc's spelling); None
+    for 'unlimited' or no rate at all."""
+    if not text:
+        return None
+    found = _RATE.search(text)
+    return float(found.group(1)) * _UNITS[found.group(2).lower()] if found else None
+
+
+def format_rate(bits_per_s: float | None) -> str:
+    if bits_per_s is None:
+        return "unlimited"
+    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits_per_s >= scale:
+            return f"{bits_per_s / scale:g} {unit}"
+    return f"{bits_per_s:g} bit/s"
+
+
+def interconnect_from_environment(env: Mapping[str, str] | None = None) -> str:
+    """What the ranks' links are, for a benchmark's metadata: $HVD_RL_INTERCONNECT if set (a real
+    cluster: e.g. '100 Gbit/s InfiniBand EDR'); else the simulated cluster's per-link shaping
+    (slurm/sim_cluster.sh, $HVD_RL_SIMCLUSTER_DIR/cluster.env); else ''."""
+    env = os.environ if env is None else env
+    if env.get("HVD_RL_INTERCONNECT"):
+        return env["HVD_RL_INTERCONNECT"]
+    state = Path(env.get("HVD_RL_SIMCLUSTER_DIR") or "/tmp/hvd_rl_simcluster") / "cluster.env"
+    try:
+        lines = state.read_text().splitlines()
+    except OSError:
+        return ""
+    rates = sorted({line.split("=", 1)[1] for line in lines if line.startswith("RATE_")})
+    if not rates:
+        return ""
+    if rates == ["unlimited"]:
+        return "simulated cluster: unlimited veth links"
+    return f"simulated cluster: {', '.join(rates)} per link (tc tbf)"
+
+
+# ---- cost model -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CostModel:
+    overhead_s: float  # c: per collective
+    latency_s: float  # alpha: per network step
+    bandwidth_Bps: float  # B: bytes/s per link and direction
+    local_latency_s: float = 0.0  # alpha on a node's own bus (hierarchical)
+    local_bandwidth_Bps: float | None = None  # B on a node's own bus (hierarchical); None: as B
+
+    def allreduce_s(self, ranks: int, nbytes: float, algorithm: str = "ring", ranks_per_node: int = 1) -> float:
+        n = int(ranks)
+        if n <= 1:
+            return 0.0
+        c, alpha, bw = self.overhead_s, self.latency_s, self.bandwidth_Bps
+        if algorithm == "ring":
+            return c + 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bw
+        if algorithm == "tree":
+            return c + 2 * math.ceil(math.log2(n)) * alpha + 2 * (n - 1) / n * nbytes / bw
+        if algorithm == "hierarchical":
+            g = max(1, min(int(ranks_per_node), n))
+            m = math.ceil(n / g)
+            local_bw = self.local_bandwidth_Bps or bw
+            intra = 0.0 if g == 1 else 2 * (g - 1) * self.local_latency_s + 2 * (g - 1) / g * nbytes / local_bw
+            inter = 0.0 if m == 1 else 2 * (m - 1) * alpha + 2 * (m - 1) / m * nbytes / bw
+            return c + intra + inter
+        raise ProjectionError(f"unknown allreduce algorithm {algorithm!r} (one of {ALGORITHMS})")
+
+    def with_bandwidth(self, bandwidth_Bps: float) -> "CostModel":
+        return CostModel(self.overhead_s, self.latency_s, bandwidth_Bps, self.local_latency_s,
+                         self.local_bandwidth_Bps)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """t(S) = constant + volume(n) * S / bandwidth, fitted to one allreduce benchmark."""
+
+    ranks: int
+    nodes: int
+    constant_s: float
+    bandwidth_Bps: float
+    rows: int
+    rms_rel_error: float
+    max_rel_error: float
+    interconnect: str = ""
+
+    def predict(self, nbytes: float) -> float:
+        return self.constant_s + ring_volume(self.ranks) * nbytes / self.bandwidth_Bps
+
+
+def ring_volume(ranks: int) -> float:
+    """Bytes each rank sends per payload byte in a ring allreduce: 2(n-1)/n."""
+    return 2 * (ranks - 1) / ranks if ranks > 1 else 1.0
+
+
+def fit_allreduce(result: Mapping[str, Any], compression: str = "fp32", max_bytes: float | None = None) -> Fit:
+    """Least squares on relative error (every size counts alike, 4 KiB as much as 256 MiB) of
+    t = a + k S over the benchmark's rows; bandwidth = 2(n-1)/n / k."""
+    import numpy as np
+
+    ranks = int(result["ranks"])
+    rows = [r for r in result.get("rows", []) if r.get("compression", "fp32") == compression
+            and (max_bytes is None or r["bytes"] <= max_bytes)]
+    if len(rows) < 2 or ranks < 2:
+        raise ProjectionError(f"an allreduce fit needs >= 2 sizes on >= 2 ranks (got {len(rows)} rows, {ranks} ranks)")
+    size = np.array([float(r["bytes"]) for r in rows])
+    t = np.array([float(r["latency_s"]) for r in rows])
+    design = np.stack([1.0 / t, size / t], axis=1)
+    (a, k), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    if k <= 0:
+        raise ProjectionError("allreduce times do not grow with the message size: no bandwidth to fit")
+    if a < 0:  # no negative overhead: refit the slope alone
+        a = 0.0
+        k = float(np.sum(size / t) / np.sum((size / t) ** 2))
+    rel = (a + k * size - t) / t
+    return Fit(ranks=ranks, nodes=int(result.get("nodes") or 1), constant_s=float(a),
+               bandwidth_Bps=float(ring_volume(ranks) / k), rows=len(rows),
+               rms_rel_error=float(np.sqrt(np.mean(rel ** 2))), max_rel_error=float(np.max(np.abs(rel))),
+               interconnect=str(result.get("interconnect", "")))
+
+
+def cost_model(network: Fit, local: Fit | None = None) -> tuple[CostModel, str]:
+    """The model from a benchmark across nodes (one rank per node) and optionally one within a
+    node: c from the node-local constant, alpha from what the network adds. Returns a note on how
+    c and alpha were split."""
+    steps = 2 * (network.ranks - 1)
+    if local is not None:
+        overhead = min(local.constant_s, network.constant_s)
+        latency = (network.constant_s - overhead) / steps
+        note = (f"c = {overhead * 1e3:.3f} ms from the {local.ranks}-rank benchmark within one node; alpha = "
+                f"({network.constant_s * 1e3:.3f} - c) / {steps} = {latency * 1e6:.1f} us per network step")
+        return CostModel(overhead, latency, network.bandwidth_Bps, 0.0, local.bandwidth_Bps), note
+    note = (f"no benchmark within one node: the whole constant ({network.constant_s * 1e3:.3f} ms) is taken as "
+            "c (per collective), alpha = 0")
+    return CostModel(network.constant_s, 0.0, network.bandwidth_Bps), note
+
+
+# ---- workload and projection ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Workload:
+    """Per rank and iteration, from a measured run."""
+
+    compute_s: float  # everything that is not communication or waiting for other ranks
+    gradient_bytes: float
+    gradient_rounds: float  # gradient allreduces per iteration (PPO: epochs x minibatches)
+    small_collectives: float = 0.0  # other, latency-bound collectives per iteration
+
+    def comm_s(self, model: CostModel, ranks: int, algorithm: str = "ring", ranks_per_node: int = 1) -> float:
+        return (self.gradient_rounds * model.allreduce_s(ranks, self.gradient_bytes, algorithm, ranks_per_node)
+                + self.small_collectives * model.allreduce_s(ranks, SMALL_COLLECTIVE_BYTES, algorithm, ranks_per_node))
+
+    def iteration_s(self, model: CostModel, ranks: int, algorithm: str = "ring", ranks_per_node: int = 1,
+                    compute_s: float | None = None) -> float:
+        return (self.compute_s if compute_s is None else compute_s) + self.comm_s(model, ranks, algorithm, ranks_per_node)
+
+    def weak_efficiency(self, model: CostModel, ranks: int, algorithm: str = "ring", ranks_per_node: int = 1) -> float:
+        return self.compute_s / self.iteration_s(model, ranks, algorithm, ranks_per_node)
+
+
+def bandwidth_for(rate_bits_per_s: float, efficiency: float) -> float:
+    """Bytes/s a collective gets from a link of the given nominal rate."""
+    return rate_bits_per_s / 8.0 * efficiency
+
+
+@dataclass
+class Projection:
+    ranks: list[int]
+    interconnects: list[float]  # bits/s
+    link_efficiency: float  # achieved / nominal, measured on a shaped link (1.0 if none)
+    ranks_per_node: int
+    model: CostModel
+    workload: Workload
+    curves: dict[str, list[float]] = field(default_factory=dict)  # "<rate> <algorithm>" -> efficiency
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["curves"] = dict(self.curves)
+        return data
+
+
+def project(model: CostModel, workload: Workload, ranks: Iterable[int] = (8, 16, 32, 64, 128, 256, 512, 1024),
+            interconnects: Iterable[float] = (1e9, 10e9, 100e9), link_efficiency: float = 1.0,
+            algorithms: Iterable[str] = ALGORITHMS, ranks_per_node: int = 8) -> Projection:
+    ranks = [int(r) for r in ranks]
+    result = Projection(ranks, [float(r) for r in interconnects], link_efficiency, ranks_per_node, model, workload)
+    for rate in result.interconnects:
+        scaled = model.with_bandwidth(bandwidth_for(rate, link_efficiency))
+        for algorithm in algorithms:
+            result.curves[f"{format_rate(rate)} {algorithm}"] = [
+                workload.weak_efficiency(scaled, n, algorithm, ranks_per_node if algorithm == "hierarchical" else 1)
+                for n in ranks]
+    return result
+
+
+def ranks_for_efficiency(model: CostModel, workload: Workload, target: float, algorithm: str = "ring",
+                         ranks_per_node: int = 1, limit: int = 1 << 20) -> int | None:
+    """The largest power-of-2 rank count whose weak-scaling efficiency is still >= target."""
+    best, n = None, 2
+    while n <= limit:
+        if workload.weak_efficiency(model, n, algorithm, ranks_per_node) >= target:
+            best = n
+        else:
+            break
+        n *= 2
+    return best
