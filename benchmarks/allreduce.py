@@ -31,6 +31,7 @@ import horovod.torch as hvd  # noqa: E402
 from hvd_rl import distributed as dist  # noqa: E402
 from hvd_rl.config import DistributedConfig  # noqa: E402
 from hvd_rl.launch import launched, relaunch_under_mpirun  # noqa: E402
+from hvd_rl.projection import interconnect_from_environment  # noqa: E402
 
 DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024  # Horovod 0.28 defaults (horovod/common/operations.cc)
 DEFAULT_CYCLE_TIME_MS = 1.0
@@ -122,6 +123,7 @@ def main() -> int:
           f"{median * 1e3:.2f} ms, busbw {busbw / 1e9:.3f} GB/s")
     result = {
         "kind": "hvd_rl.allreduce_benchmark", "ranks": ranks, "nodes": hvd.cross_size(),
+        "interconnect": interconnect_from_environment() if hvd.cross_size() > 1 else "",
         "controller": "mpi" if hvd.mpi_enabled() else "gloo", "rows": rows, "gradient": gradient,
         "fusion_threshold_bytes": int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)),
         "cycle_time_ms": float(os.environ.get("HOROVOD_CYCLE_TIME", DEFAULT_CYCLE_TIME_MS)),

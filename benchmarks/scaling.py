@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from hvd_rl.config import load_config  # noqa: E402
 from hvd_rl.launch import mpi_env  # noqa: E402
+from hvd_rl.projection import interconnect_from_environment  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -76,7 +77,10 @@ def record_point(run_dir: Path, mode: str, ranks: int, nodes: int, status: str, 
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / "point.json", {
         "mode": mode, "ranks": ranks, "nodes": nodes, "status": status, "warmup_iterations": warmup,
-        "oversubscribed": oversubscribed, "launcher": launcher, "wall_seconds": seconds})
+        "oversubscribed": oversubscribed, "launcher": launcher, "wall_seconds": seconds,
+        # The links between the nodes ($HVD_RL_INTERCONNECT, or the simulated cluster's shaping) while
+        # the sweep ran; the report groups points by it (a 1-node point: its sweep's baseline).
+        "interconnect": interconnect_from_environment()})
 
 
 def launch_command(launcher: str, ranks: int, hvd_args: list[str]) -> list[str]:

@@ -235,3 +235,25 @@ def test_report_without_multinode_benchmark_says_why(tmp_path):
     assert "interconnect" not in text.split("## Scaling")[1].split("\n|")[1]  # no empty column
     assert json.loads((out / "report.json").read_text())["projection"] is None
     assert not math.isnan(json.loads((out / "report.json").read_text())["points"][0]["efficiency"])
+
+
+def test_sweep_points_record_the_interconnect(tmp_path, monkeypatch):
+    """benchmarks/scaling.py's point.json carries the links the sweep ran on (what the report
+    groups and labels points by): $HVD_RL_INTERCONNECT, else the simulated cluster's shaping."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("scaling_bench", Path(__file__).parent.parent / "benchmarks" / "scaling.py")
+    scaling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scaling)
+    state = tmp_path / "sim"
+    state.mkdir()
+    (state / "cluster.env").write_text("NODES=2\nRATE_node1=1Gbit\nRATE_node2=1Gbit\n")
+    monkeypatch.delenv("HVD_RL_INTERCONNECT", raising=False)
+    monkeypatch.setenv("HVD_RL_SIMCLUSTER_DIR", str(state))
+    scaling.record_point(tmp_path / "a", "weak", 2, 2, "ok", 2, False, "srun")
+    point = json.loads((tmp_path / "a" / "point.json").read_text())
+    assert point["interconnect"] == "simulated cluster: 1Gbit per link (tc tbf)" and point["nodes"] == 2
+    monkeypatch.setenv("HVD_RL_INTERCONNECT", "100 Gbit/s InfiniBand EDR")
+    scaling.record_point(tmp_path / "b", "weak", 1, 1, "ok", 2, False, "srun")
+    assert json.loads((tmp_path / "b" / "point.json").read_text())["interconnect"] == "100 Gbit/s InfiniBand EDR"
+    assert P.parse_rate("100 Gbit/s InfiniBand EDR") == 100e9
