@@ -340,6 +340,10 @@ boot() {  # a crashed node comes back: link up, namespaces, slurmd (SLURM return
   ip netns list 2>/dev/null | grep -q "^$(ns_of "$name")\b" || die "no node '$name' in this cluster"
   ip link set "$(veth_of "$name")" up
   [ -n "$(holder_pid "$name")" ] || start_holder "$name"
+  # What a reboot's fresh /run would do: the step daemons' UNIX sockets (slurmstepd, PMIx) of the
+  # killed steps go. A requeued job keeps its id, and a stale PMIx socket of the same step id makes
+  # the new step fail to launch ("Cannot bind() UNIX socket ... Address already in use").
+  find "$STATE/spool/$name" -type s -delete 2>/dev/null || true
   pid_alive "$STATE/run/slurmd.$name.pid" || start_slurmd "$name"
   local i
   for i in $(seq 1 50); do pid_alive "$STATE/run/slurmd.$name.pid" && break; sleep 0.1; done
