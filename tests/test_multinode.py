@@ -134,7 +134,9 @@ def _launch(launcher: str, per_node: int, run_dir: Path, *sets: str, forward: tu
                 "--kill-on-bad-exit=1", "--label", *trainer]
     if launcher == "mpirun":
         # The ranks start from the cluster's ssh with a login environment: pass on what they need.
-        exports = [arg for var in ("PYTHONUNBUFFERED", *forward) for arg in ("-x", var)]
+        # PYTHONPATH too where the tests run from a checkout other than the venv's own.
+        passed = ("PYTHONUNBUFFERED", *(("PYTHONPATH",) if "PYTHONPATH" in os.environ else ()), *forward)
+        exports = [arg for var in passed for arg in ("-x", var)]
         return ["mpirun", "-np", str(ranks), "-H", ",".join(f"{n}:{per_node}" for n in NODES), "--oversubscribe",
                 "--bind-to", "none", "--tag-output", *exports, *trainer]
     assert launcher == "horovodrun"
