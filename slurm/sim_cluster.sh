@@ -340,10 +340,13 @@ boot() {  # a crashed node comes back: link up, namespaces, slurmd (SLURM return
   ip netns list 2>/dev/null | grep -q "^$(ns_of "$name")\b" || die "no node '$name' in this cluster"
   ip link set "$(veth_of "$name")" up
   [ -n "$(holder_pid "$name")" ] || start_holder "$name"
-  # What a reboot's fresh /run would do: the step daemons' UNIX sockets (slurmstepd, PMIx) of the
-  # killed steps go. A requeued job keeps its id, and a stale PMIx socket of the same step id makes
-  # the new step fail to launch ("Cannot bind() UNIX socket ... Address already in use").
+  # What a reboot's fresh /run and /tmp would do: the killed steps' UNIX sockets (slurmstepd, PMIx),
+  # PMIx directories and the node's temporary files go. A requeued job keeps its id, and a stale
+  # socket or PMIx directory of the same step id makes the new step fail to launch ("Address
+  # already in use", "File exists").
   find "$STATE/spool/$name" -type s -delete 2>/dev/null || true
+  find "$STATE/spool/$name" -mindepth 1 -maxdepth 1 -type d -name 'pmix.*' -exec rm -rf {} + 2>/dev/null || true
+  find "$STATE/nodes/$name/tmp" -mindepth 1 -delete 2>/dev/null || true
   pid_alive "$STATE/run/slurmd.$name.pid" || start_slurmd "$name"
   local i
   for i in $(seq 1 50); do pid_alive "$STATE/run/slurmd.$name.pid" && break; sleep 0.1; done
