@@ -648,12 +648,13 @@ def projection_section(points: list[Point], allreduce: list[dict], out: Path) ->
     lines += ["", "![projection](projection.png)", "",
               "Predicted weak-scaling efficiency (c and alpha as measured here; B = nominal rate x link efficiency):", "",
               "| interconnect | allreduce | " + " | ".join(str(n) for n in PROJECTION_RANKS if n >= 8)
-              + " | largest n >= 90% |", "|---|---|" + "---|" * (sum(n >= 8 for n in PROJECTION_RANKS) + 1)]
+              + f" | largest n >= 90% (up to {PROJECTION_RANKS[-1]}) |", "|---|---|" + "---|" * (sum(n >= 8 for n in PROJECTION_RANKS) + 1)]
     for label, values in projection.curves.items():
         rate_text, algorithm = label.rsplit(" ", 1)
         scaled = model.with_bandwidth(P.bandwidth_for(P.parse_rate(rate_text), link_efficiency))
         top = P.ranks_for_efficiency(scaled, workload, 0.9, algorithm,
-                                     HIERARCHICAL_RANKS_PER_NODE if algorithm == "hierarchical" else 1)
+                                     HIERARCHICAL_RANKS_PER_NODE if algorithm == "hierarchical" else 1,
+                                     limit=PROJECTION_RANKS[-1])
         lines.append(f"| {rate_text} | {algorithm} | " + " | ".join(
             pct(v) for n, v in zip(PROJECTION_RANKS, values) if n >= 8) + f" | {top or '< 2'} |")
     if checks:
