@@ -16,18 +16,8 @@ STATE="${HVD_RL_SLURM_DIR:-/tmp/hvd_rl_slurm}"
 CONF="$STATE/slurm.conf"
 HOST="$(hostname -s)"
 
-as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
-
-install_packages() {
-  local missing=()
-  for pkg in slurm-wlm munge slurm-wlm-basic-plugins libpmix-dev; do
-    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
-  done
-  if [ ${#missing[@]} -gt 0 ]; then
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-  fi
-}
+# shellcheck source=slurm/cluster_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/cluster_common.sh"
 
 write_config() {
   mkdir -p "$STATE/ctld" "$STATE/d" "$STATE/munge"
@@ -37,22 +27,8 @@ write_config() {
   cat > "$CONF" <<EOF
 ClusterName=hvdrl
 SlurmctldHost=$HOST
-AuthType=auth/munge
-CredType=cred/munge
-SlurmUser=root
-SlurmdUser=root
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-MpiDefault=none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-ReturnToService=2
+$(slurm_conf_common)
 FirstJobId=$(( $(date +%s) % 1000000 + 1000 ))
-JobRequeue=1
-KillWait=30
-MinJobAge=3600
-InactiveLimit=0
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/d
 SlurmctldPidFile=$STATE/slurmctld.pid
@@ -61,20 +37,14 @@ SlurmctldLogFile=$STATE/slurmctld.log
 SlurmdLogFile=$STATE/slurmd.log
 SlurmctldPort=6817
 SlurmdPort=6818
-JobCompType=jobcomp/filetxt
 JobCompLoc=$STATE/jobcomp.log
-AccountingStorageType=accounting_storage/none
 NodeName=$HOST CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
 PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 EOF
 }
 
 start_daemons() {
-  if ! pgrep -x munged >/dev/null; then
-    as_root mkdir -p /run/munge /var/log/munge /var/lib/munge
-    [ -f /etc/munge/munge.key ] || as_root mungekey --create >/dev/null 2>&1 || as_root /usr/sbin/create-munge-key -f
-    as_root /usr/sbin/munged --force
-  fi
+  start_munge
   if ! pgrep -x slurmctld >/dev/null; then
     as_root /usr/sbin/slurmctld -f "$CONF" -i
   fi
@@ -115,7 +85,7 @@ stop_daemons() {
 }
 
 case "${1:-}" in
-  start) install_packages; write_config; start_daemons ;;
+  start) install_slurm_packages; write_config; start_daemons ;;
   stop) stop_daemons ;;
   env) echo "export SLURM_CONF=$CONF" ;;
   status) SLURM_CONF="$CONF" sinfo; SLURM_CONF="$CONF" squeue ;;

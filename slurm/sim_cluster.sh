@@ -25,6 +25,8 @@ set -Eeuo pipefail
 
 SELF="$(readlink -f "${BASH_SOURCE[0]}")"
 HERE="$(dirname "$SELF")"
+# shellcheck source=slurm/cluster_common.sh
+source "$HERE/cluster_common.sh"
 STATE="${HVD_RL_SIMCLUSTER_DIR:-/tmp/hvd_rl_simcluster}"
 NET="${HVD_RL_SIMCLUSTER_NET:-10.77.0}"
 CONF="$STATE/slurm.conf"
@@ -112,17 +114,7 @@ support_problem() {  # prints a one-line reason when namespaces cannot be used h
   ip netns del "$probe" 2>/dev/null || true
 }
 
-install_packages() {  # as slurm/local_cluster.sh: Debian's SLURM and munge when missing
-  local missing=()
-  for pkg in slurm-wlm munge slurm-wlm-basic-plugins libpmix-dev; do
-    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
-  done
-  if [ ${#missing[@]} -gt 0 ]; then
-    command -v apt-get >/dev/null || die "needs ${missing[*]} (SLURM and munge) and apt-get is unavailable"
-    env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-  fi
-}
+install_packages() { install_slurm_packages || die "cannot install SLURM and munge"; }
 
 # ---- start -------------------------------------------------------------------------------------
 
@@ -133,24 +125,10 @@ write_config() {  # N CPUS [KEY=VALUE...]: the extra settings replace or add slu
 # Written by slurm/sim_cluster.sh: $n simulated nodes on $(hostname -s); do not edit (regenerated).
 ClusterName=hvdrlsim
 SlurmctldHost=head($HEAD_IP)
-AuthType=auth/munge
-CredType=cred/munge
-SlurmUser=root
-SlurmdUser=root
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-MpiDefault=none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
+$(slurm_conf_common)
 # Every node has all of this machine's cores; --cpus may declare another count.
 SlurmdParameters=config_overrides
-ReturnToService=2
 FirstJobId=$(( $(date +%s) % 1000000 + 3000000 ))
-JobRequeue=1
-KillWait=30
-MinJobAge=3600
-InactiveLimit=0
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/spool/%n
 # Node-local temporary space: each node's mount namespace binds its own directory here.
@@ -161,9 +139,7 @@ SlurmctldLogFile=$STATE/logs/slurmctld.log
 SlurmdLogFile=$STATE/logs/slurmd.%n.log
 SlurmctldPort=$CTLD_PORT
 SlurmdPort=$SLURMD_PORT
-JobCompType=jobcomp/filetxt
 JobCompLoc=$STATE/logs/jobcomp.log
-AccountingStorageType=accounting_storage/none
 EOF
   for setting in "$@"; do
     sed -i "/^${setting%%=*}=/d" "$CONF"
@@ -232,14 +208,6 @@ set_rate() {  # rate on both directions of each named link; 'off' removes the li
 
 link_rate() {  # the tbf rate on a node's link, or 'unlimited'
   tc qdisc show dev "$(veth_of "$1")" 2>/dev/null | sed -n 's/.*tbf .*rate \([^ ]*\).*/\1/p' | head -1 | grep . || echo unlimited
-}
-
-start_munge() {
-  if ! pgrep -x munged >/dev/null; then
-    mkdir -p /run/munge /var/log/munge /var/lib/munge
-    [ -f /etc/munge/munge.key ] || mungekey --create >/dev/null 2>&1 || /usr/sbin/create-munge-key -f
-    /usr/sbin/munged --force
-  fi
 }
 
 wait_idle() {
