@@ -32,19 +32,20 @@ def _cluster_env(base: dict[str, str]) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def running_cluster(tmp_path_factory, name: str, *start_args: str):
+    """A simulated cluster for one test module (also tests/test_node_faults.py), stopped at the
+    end even when a test fails; skipped with the reason where namespaces cannot be used."""
     probe = subprocess.run([str(CLUSTER), "check"], capture_output=True, text=True, timeout=60)
     if probe.returncode == 3:
         pytest.skip(f"no simulated cluster here: {probe.stdout.strip()}")
     assert probe.returncode == 0, probe.stdout + probe.stderr
-    state = tmp_path_factory.mktemp("simcluster")
+    state = tmp_path_factory.mktemp(name)
     owner = Path("/sys/class/net/hvdrl0/ifalias")
     if owner.exists() and Path(owner.read_text().strip()).is_relative_to(tmp_path_factory.getbasetemp().parent):
         # An earlier test session that was killed before its teardown left its cluster running.
         _cluster({**os.environ, "HVD_RL_SIMCLUSTER_DIR": owner.read_text().strip()}, "stop")
     env = _cluster_env(launch_env({"HVD_RL_SIMCLUSTER_DIR": str(state)}))
-    start = _cluster(env, "start", str(len(NODES)), timeout=600)
+    start = _cluster(env, "start", str(len(NODES)), *start_args, timeout=600)
     if start.returncode != 0:
         _cluster(env, "stop")
         if "apt-get" in start.stderr or "Unable to locate package" in start.stderr:
@@ -55,6 +56,11 @@ def cluster(tmp_path_factory):
     finally:
         stop = _cluster(env, "stop")
         assert stop.returncode == 0, stop.stderr
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    yield from running_cluster(tmp_path_factory, "simcluster")
 
 
 # ---- the cluster itself --------------------------------------------------------------------------

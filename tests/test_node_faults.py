@@ -14,30 +14,14 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, QUICK, finish, launch_env, read_jsonl, start, train_cmd
-from test_multinode import CLUSTER, NODES, _cluster, _cluster_env
+from test_multinode import NODES, _cluster, running_cluster
 
 PEER_LOST = 4  # hvd_rl.watchdog.EXIT_PEER_LOST
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    probe = subprocess.run([str(CLUSTER), "check"], capture_output=True, text=True, timeout=60)
-    if probe.returncode == 3:
-        pytest.skip(f"no simulated cluster here: {probe.stdout.strip()}")
-    assert probe.returncode == 0, probe.stdout + probe.stderr
-    state = tmp_path_factory.mktemp("simcluster-faults")
-    env = _cluster_env(launch_env({"HVD_RL_SIMCLUSTER_DIR": str(state)}))
-    started = _cluster(env, "start", str(len(NODES)), "--slurm", "SlurmdTimeout=10", timeout=600)
-    if started.returncode != 0:
-        _cluster(env, "stop")
-        if "apt-get" in started.stderr or "Unable to locate package" in started.stderr:
-            pytest.skip(f"SLURM cannot be installed here: {started.stderr.strip()[-300:]}")
-        pytest.fail(f"could not start the simulated cluster:\n{started.stdout}\n{started.stderr}")
-    try:
-        yield env
-    finally:
-        stop = _cluster(env, "stop")
-        assert stop.returncode == 0, stop.stderr
+    yield from running_cluster(tmp_path_factory, "simcluster-faults", "--slurm", "SlurmdTimeout=10")
 
 
 @pytest.fixture
