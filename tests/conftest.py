@@ -55,6 +55,17 @@ def train_cmd(run_dir: Path, *sets: str, config: Path = CARTPOLE, extra: tuple[s
     return cmd + list(extra)
 
 
+def host_discovery(tmp_path: Path, *hosts: str) -> tuple[Path, Path]:
+    """A hosts file and a horovodrun --host-discovery-script that prints it: rewrite the file to
+    make hosts disappear or appear during an elastic run."""
+    hosts_file = tmp_path / "hosts.txt"
+    hosts_file.write_text("".join(f"{host}\n" for host in hosts))
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/bash\ncat {hosts_file}\n")
+    discover.chmod(0o755)
+    return hosts_file, discover
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

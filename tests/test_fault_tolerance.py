@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (BIN, QUICK, check, finish, launch_env, mpirun_cmd, rank_pid, read_jsonl, run,
-                      start, train_cmd, wait_for_iterations)
+from conftest import (BIN, QUICK, check, finish, host_discovery, launch_env, mpirun_cmd, rank_pid,
+                      read_jsonl, run, start, train_cmd, wait_for_iterations)
 from hvd_rl.checkpoint import load_checkpoint
 
 PREEMPTED = 75
@@ -392,11 +392,7 @@ def test_elastic_training_survives_a_killed_worker(tmp_path):
 def test_elastic_training_grows_when_a_host_appears(tmp_path):
     """Discovery first reports 2 hosts, later 3: the new worker joins inside hvd.elastic.run
     (every collective is in there), and the run still ends exactly at total_timesteps."""
-    hosts_file = tmp_path / "hosts.txt"
-    hosts_file.write_text("localhost:1\n127.0.0.1:1\n")
-    discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/bash\ncat {hosts_file}\n")
-    discover.chmod(0o755)
+    hosts_file, discover = host_discovery(tmp_path, "localhost:1", "127.0.0.1:1")
     run_dir = tmp_path / "run"
     # 4 environments in all, on 2 ranks (2 + 2) and on 3 (1 + 1 + 2): the global batch (128)
     # stays the same, so the run ends exactly at total_timesteps wherever the new host joins.

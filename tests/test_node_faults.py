@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, QUICK, finish, launch_env, read_jsonl, start, train_cmd
+from conftest import BIN, QUICK, finish, host_discovery, launch_env, read_jsonl, start, train_cmd
 from test_multinode import NODES, _cluster, running_cluster
 
 PEER_LOST = 4  # hvd_rl.watchdog.EXIT_PEER_LOST
@@ -225,11 +225,7 @@ def test_elastic_job_survives_a_node_crash_and_regrows_when_it_boots(healthy, tm
     node2 crashes: the worker on node1 resets and trains alone; node2 boots and discovery lists it
     again: a worker starts there and joins (after the blacklist cool-down), and the job ends at
     exactly total_timesteps on 2 ranks, parameters identical."""
-    hosts = tmp_path / "hosts.txt"
-    hosts.write_text("node1:1\nnode2:1\n")
-    discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/bash\ncat {hosts}\n")
-    discover.chmod(0o755)
+    hosts, discover = host_discovery(tmp_path, "node1:1", "node2:1")
     run_dir = tmp_path / "run"
     # The global batch is 64 on 1 rank (2 envs) and on 2 ranks (1 + 1): total is exact either way.
     total = 64 * 40
