@@ -75,10 +75,17 @@ def check(result: subprocess.CompletedProcess, code: int = 0) -> str:
     return result.stdout
 
 
-def start(cmd: list, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
-    """Starts a command in its own process group (so a timeout can kill every rank)."""
-    return subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env or launch_env(), cwd=cwd or REPO, start_new_session=True)
+def start(cmd: list, env: dict[str, str] | None = None, cwd: Path | None = None,
+          log: Path | None = None) -> subprocess.Popen:
+    """Starts a command in its own process group (so a timeout can kill every rank); its output goes
+    to a pipe, or to `log` where a test reads it while the command still runs."""
+    sink = open(log, "w") if log else subprocess.PIPE
+    try:
+        return subprocess.Popen([str(c) for c in cmd], stdout=sink, stderr=subprocess.STDOUT,
+                                text=True, env=env or launch_env(), cwd=cwd or REPO, start_new_session=True)
+    finally:
+        if log:
+            sink.close()
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:

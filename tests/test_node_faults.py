@@ -89,7 +89,8 @@ def _exports() -> list[str]:
 def _wait_iterations(run_dir: Path, count: int, proc: subprocess.Popen, timeout: float) -> None:
     def ready():
         if proc is not None and proc.poll() is not None:
-            pytest.fail(f"job ended early ({proc.returncode}):\n{proc.stdout.read()[-4000:]}")
+            out = proc.stdout.read() if proc.stdout else ""
+            pytest.fail(f"job ended early ({proc.returncode}):\n{out[-4000:]}")
         path = run_dir / "metrics.jsonl"
         return path.exists() and len(path.read_text().splitlines()) >= count
     _wait(ready, timeout, f"{count} iterations in {run_dir}")
@@ -128,8 +129,9 @@ def test_silent_node_makes_the_surviving_ranks_exit_4(healthy, tmp_path):
     run_dir = tmp_path / "run"
     trainer = train_cmd(run_dir, *QUICK, "ppo.total_timesteps=1000000", "debug.iteration_sleep=0.1",
                         "distributed.peer_timeout=10")
+    log = tmp_path / "srun.log"
     proc = start(["srun", "-N2", "--ntasks-per-node=2", "--cpus-per-task=1", "--mpi=pmix", "--kill-on-bad-exit=1",
-                  "--label", *trainer], env=healthy, cwd=tmp_path)
+                  "--label", *trainer], env=healthy, cwd=tmp_path, log=log)
     _wait_iterations(run_dir, 2, proc, 180)
     survivors = _trainers_on(healthy, "node1", str(run_dir))
     assert len(survivors) == 2, survivors
@@ -137,14 +139,20 @@ def test_silent_node_makes_the_surviving_ranks_exit_4(healthy, tmp_path):
     assert _cluster(healthy, "link", "node2", "down").returncode == 0
     gone = _wait(lambda: not any(map(_alive, survivors)), 60, "the ranks on node1 to exit")
     assert gone - down_at < 60
-    # srun itself keeps waiting for the step on the unreachable node (even after SLURM declared the
-    # node down): end the job and srun, then read what srun reported about node1's ranks.
+    # srun reports node1's exit codes once slurmstepd has told it (seconds after the ranks exit on a
+    # loaded machine), but keeps waiting for the step on the unreachable node, even after SLURM
+    # declared the node down: wait for the report, then end the job and srun.
+    srun_report = re.compile(r"srun: error: node1: tasks? 0(-1)?: Exited with exit code 4")
+    deadline = time.time() + 60
+    while time.time() < deadline and not srun_report.search(log.read_text()):
+        time.sleep(0.5)
     subprocess.run(["scancel", "--full", "--signal=KILL", "-u", "root"], env=healthy, timeout=30)
     os.killpg(proc.pid, signal.SIGKILL)
-    out, _ = proc.communicate(timeout=30)
+    proc.wait(timeout=30)
+    out = log.read_text()
+    assert srun_report.search(out), out[-3000:]
     for rank in (0, 1):
         assert re.search(rf"^{rank}: \[rank {rank}\] hvd-rl: error: the other ranks have not answered", out, re.M), out[-3000:]
-    assert re.search(r"srun: error: node1: tasks? 0(-1)?: Exited with exit code 4", out), out[-3000:]
     print(f"ranks on node1 gone {gone - down_at:.1f} s after the link went down")
 
 
