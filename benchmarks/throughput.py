@@ -97,7 +97,7 @@ def run_probes(cfg, steps: int) -> dict[str, float]:
                   advantages=torch.from_numpy(rng.normal(size=size).astype(np.float32)),
                   returns=torch.from_numpy(rng.normal(size=size).astype(np.float32)))
     optimizer = dist.distributed_optimizer(
-        torch.optim.Adam(model.parameters(), lr=cfg.ppo.learning_rate, eps=cfg.ppo.adam_eps), model,
+        model.precision.adam(model.parameters(), lr=cfg.ppo.learning_rate, eps=cfg.ppo.adam_eps), model,
         reduction="average", compression="none", backward_passes_per_step=cfg.ppo.backward_passes_per_step)
     learner = PPOLearner(model, optimizer, cfg.ppo, cfg.seed, scaler=model.precision.grad_scaler())
     learner.update(batch, 1, 0, n, cfg.ppo.num_steps)

@@ -71,6 +71,14 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
+    def adam(self, parameters, lr: float, eps: float) -> torch.optim.Adam:
+        """Adam with the fused kernel where the precision is inexact anyway (bf16, fp16): measured
+        for the Nature CNN on one core, 1 ms per step against 4-9 ms for the for-loop kernel (an
+        Atari PPO iteration takes 16 steps, a DQN update is ~10 ms). fp32 keeps the for-loop kernel:
+        with it N ranks reproduce 1 process to float rounding (2e-6 after 24 steps), while the
+        fused kernel amplifies the ranks' different summation order (2e-3 on the same test)."""
+        return torch.optim.Adam(parameters, lr=lr, eps=eps, fused=True if self.dtype is not None else None)
+
     def grad_scaler(self) -> torch.amp.GradScaler | None:
         """fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none."""
         return torch.amp.GradScaler("cuda") if self.mode == "fp16" else None

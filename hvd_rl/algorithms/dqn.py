@@ -65,7 +65,7 @@ class DQN(Algorithm):
         self.q_network.precision = self.precision
         self.target_network = copy.deepcopy(self.q_network)
         self.target_network.requires_grad_(False)
-        base = torch.optim.Adam(self.q_network.parameters(), lr=q.learning_rate, eps=q.adam_eps)
+        base = self.precision.adam(self.q_network.parameters(), lr=q.learning_rate, eps=q.adam_eps)
         self.optimizer = dist.distributed_optimizer(base, self.q_network, reduction=d.reduction,
                                                     compression=d.compression, backward_passes_per_step=1)
         self.envs: RankEnvs | None = None

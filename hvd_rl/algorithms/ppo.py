@@ -311,7 +311,7 @@ class PPO(Algorithm):
         self.precision = precision_for(d.amp, device, convolutional=len(observation_space.shape) == 3)
         self.precision_mode = self.precision.mode
         self.model.precision = self.precision
-        base = torch.optim.Adam(self.model.parameters(), lr=p.learning_rate, eps=p.adam_eps)
+        base = self.precision.adam(self.model.parameters(), lr=p.learning_rate, eps=p.adam_eps)
         self.optimizer = dist.distributed_optimizer(
             base, self.model, reduction=d.reduction, compression=d.compression,
             backward_passes_per_step=p.backward_passes_per_step)

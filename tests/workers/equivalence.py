@@ -43,7 +43,7 @@ model.precision = Precision(amp, "cpu")
 cfg = PPOConfig(num_steps=T, num_minibatches=4, update_epochs=3, clip_coef=0.1, max_grad_norm=0.5,
                 global_advantage_norm=(norm == "global"), learning_rate=1e-3,
                 backward_passes_per_step=micro_batches)
-optimizer = dist.distributed_optimizer(torch.optim.Adam(model.parameters(), lr=cfg.learning_rate, eps=1e-5),
+optimizer = dist.distributed_optimizer(model.precision.adam(model.parameters(), lr=cfg.learning_rate, eps=1e-5),
                                        model, reduction="average", compression=compression,
                                        backward_passes_per_step=micro_batches)
 dist.broadcast_state(model, optimizer, has_optimizer_state=False)
