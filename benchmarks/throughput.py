@@ -10,6 +10,10 @@ Each round runs, one after the other with nothing else on the machine:
   1 rank   the real trainer as one process with one compute thread, pinned to one CPU (each
            of the N ranks gets one core from mpirun's default binding)
   N ranks  the real trainer launched exactly as `make train` does (mpirun -np N --oversubscribe)
+  N alone  N independent copies of the probes, then of the 1-rank trainer, at once, each pinned
+           to its own CPU: no MPI, no Horovod, nothing shared but the hardware (caches, memory
+           bandwidth, the host's scheduling of the virtual CPUs). What they lose against one
+           copy alone is the hardware's own N-core efficiency, the bound for any N-rank run.
 One iteration needs one env step, one inference and `update_epochs` learner passes per sample, so
 one core can do at most 1 / (1/env + epochs/learner + 1/inference) env steps/s, and the machine
 limit is that times the cores the N ranks use. Reported: N-rank SPS / machine limit, and
@@ -132,12 +136,14 @@ def train_command(config: str, overrides: list[str], ranks: int, run_dir: Path, 
             "--set", "logging.tensorboard=false", "--set", "logging.console=false"]
 
 
-def measure_run(cmd: list[str], run_dir: Path, warmup: int, timeout: float,
+def measure_run(cmd: list[str] | None, run_dir: Path, warmup: int, timeout: float,
                 env: dict[str, str] | None = None) -> dict:
-    """Runs a trainer command; SPS and mean phase times over the iterations after `warmup`."""
-    proc = subprocess.run(cmd, env=env or mpi_env(), capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    """Runs a trainer command (None: reads a run that has already finished); SPS and mean phase
+    times over the iterations after `warmup`."""
+    if cmd is not None:
+        proc = subprocess.run(cmd, env=env or mpi_env(), capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     measured = rows[warmup:]
     first_step = rows[warmup - 1]["global_step"] if warmup else 0
@@ -160,20 +166,44 @@ def trainer_run(args, ranks: int, run_dir: Path, iterations: int) -> dict:
     return measure_run(cmd, run_dir, args.warmup, args.timeout)
 
 
-def pinned(cmd: list[str]) -> list[str]:
-    """The command confined to one CPU (the first this process may use)."""
+def pinned(cmd: list[str], copy: int = 0) -> list[str]:
+    """The command confined to one CPU: the first this process may use, or the copy-th."""
     if not shutil.which("taskset"):
         raise RuntimeError("taskset (util-linux) is needed to measure on one core")
-    return ["taskset", "-c", str(min(os.sched_getaffinity(0))), *cmd]
+    cpus = sorted(os.sched_getaffinity(0))
+    if copy >= len(cpus):
+        raise RuntimeError(f"{copy + 1} CPUs needed to run {copy + 1} copies side by side; this process may use {len(cpus)}")
+    return ["taskset", "-c", str(cpus[copy]), *cmd]
 
 
-def probe_run(args) -> dict:
+def run_together(cmds: list[list[str]], timeout: float) -> list[str]:
+    """Runs the commands at once; their stdout, or an error naming the first that failed."""
+    procs = [subprocess.Popen(cmd, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd in cmds]
+    outputs = [proc.communicate(timeout=timeout) for proc in procs]
+    for cmd, proc, (out, err) in zip(cmds, procs, outputs):
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({proc.returncode}):\n{out[-2000:]}{err[-2000:]}")
+    return [out for out, _ in outputs]
+
+
+def probe_runs(args, copies: int) -> list[dict]:
+    """The probes alone (copies=1) or as `copies` independent processes at once, one per CPU."""
     cmd = [sys.executable, __file__, "--probe", "--config", str(args.config), "--steps", str(args.steps),
            *[x for s in args.overrides for x in ("--set", s)]]
-    proc = subprocess.run(pinned(cmd), env=mpi_env(), capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"probes failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    outputs = run_together([pinned(cmd, copy) for copy in range(copies)], args.timeout)
+    return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+
+
+def independent_trainers(args, run_dir: Path, iterations: int) -> list[dict]:
+    """N one-rank trainers at once, each pinned to its own CPU: the N-rank run minus all communication."""
+    cmds, dirs = [], []
+    for copy in range(args.np):
+        dirs.append(run_dir / f"copy{copy}")
+        train = train_command(args.config, args.overrides, 1, dirs[-1], iterations)
+        cmds.append(pinned(train + ["--set", "distributed.threads_per_rank=1"], copy))
+    run_together(cmds, args.timeout)
+    return [measure_run(None, d, args.warmup, args.timeout) for d in dirs]
 
 
 def summarize(rounds: list[dict], ranks: int, epochs: int) -> dict:
@@ -182,6 +212,13 @@ def summarize(rounds: list[dict], ranks: int, epochs: int) -> dict:
         r["machine_limit_sps"] = ranks * r["core_ceiling_sps"]
         r["fraction_of_machine_limit"] = r["n_ranks"]["sps"] / r["machine_limit_sps"]
         r["weak_scaling"] = r["n_ranks"]["sps"] / (ranks * r["one_rank"]["sps"])
+        together = [core_ceiling(p, epochs) for p in r["probes_together"]]
+        r["hardware_limit_sps"] = sum(together)
+        r["hardware_efficiency"] = sum(together) / r["machine_limit_sps"]
+        r["fraction_of_hardware_limit"] = r["n_ranks"]["sps"] / r["hardware_limit_sps"]
+        r["independent_trainers_sps"] = sum(t["sps"] for t in r["trainers_together"])
+        r["independent_scaling"] = r["independent_trainers_sps"] / (ranks * r["one_rank"]["sps"])
+        r["vs_independent_trainers"] = r["n_ranks"]["sps"] / r["independent_trainers_sps"]
 
     def med(get):
         return statistics.median(get(r) for r in rounds)
@@ -192,6 +229,12 @@ def summarize(rounds: list[dict], ranks: int, epochs: int) -> dict:
         "machine_limit_sps": med(lambda r: r["machine_limit_sps"]),
         "fraction_of_machine_limit": med(lambda r: r["fraction_of_machine_limit"]),
         "weak_scaling": med(lambda r: r["weak_scaling"]),
+        "hardware_limit_sps": med(lambda r: r["hardware_limit_sps"]),
+        "hardware_efficiency": med(lambda r: r["hardware_efficiency"]),
+        "fraction_of_hardware_limit": med(lambda r: r["fraction_of_hardware_limit"]),
+        "independent_trainers_sps": med(lambda r: r["independent_trainers_sps"]),
+        "independent_scaling": med(lambda r: r["independent_scaling"]),
+        "vs_independent_trainers": med(lambda r: r["vs_independent_trainers"]),
         "probes": {k: med(lambda r, k=k: r["probes"][k])
                    for k in ("env_sps", "inference_sps", "learner_samples_per_s")},
         "collectives_per_iteration": med(lambda r: r["n_ranks"]["collectives_per_iteration"]),
@@ -221,14 +264,18 @@ def main() -> int:
         print(json.dumps(run_probes(cfg, args.steps)))
         return 0
 
-    order = ["probes", "one_rank", "n_ranks"]
+    order = ["probes", "one_rank", "n_ranks", "together"]
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         for index in range(args.rounds):
             result: dict = {}
-            for part in order[index % 3:] + order[:index % 3]:
+            for part in order[index % len(order):] + order[:index % len(order)]:
                 if part == "probes":
-                    result[part] = probe_run(args)
+                    result[part] = probe_runs(args, 1)[0]
+                elif part == "together":
+                    result["probes_together"] = probe_runs(args, args.np)
+                    result["trainers_together"] = independent_trainers(
+                        args, Path(tmp) / f"together-{index}", args.warmup + args.iterations)
                 else:
                     ranks = 1 if part == "one_rank" else args.np
                     run_dir = Path(tmp) / f"{part}-{index}"
@@ -236,7 +283,8 @@ def main() -> int:
             rounds.append(result)
             print(f"round {index + 1}: probes env {result['probes']['env_sps']:.0f} inference "
                   f"{result['probes']['inference_sps']:.0f} learner {result['probes']['learner_samples_per_s']:.0f} | "
-                  f"1 rank {result['one_rank']['sps']:.0f} SPS | {args.np} ranks {result['n_ranks']['sps']:.0f} SPS",
+                  f"1 rank {result['one_rank']['sps']:.0f} SPS | {args.np} ranks {result['n_ranks']['sps']:.0f} SPS | "
+                  f"{args.np} independent 1-rank trainers {sum(t['sps'] for t in result['trainers_together']):.0f} SPS",
                   flush=True)
     summary = summarize(rounds, args.np, cfg.ppo.update_epochs)
     import torch
@@ -263,6 +311,11 @@ def main() -> int:
           f"({summary['collectives_per_iteration']:.0f} collectives per iteration)")
     print(f"  {args.np} ranks / machine limit   {summary['fraction_of_machine_limit']:.2f}")
     print(f"  {args.np} ranks / ({args.np} x 1 rank)     {summary['weak_scaling']:.2f}")
+    print(f"  the hardware alone: {args.np} probe copies at once reach {summary['hardware_efficiency']:.2f} of the machine "
+          f"limit ({summary['hardware_limit_sps']:.0f} SPS); {args.np} independent 1-rank trainers at once "
+          f"{summary['independent_trainers_sps']:.0f} SPS = {summary['independent_scaling']:.2f} x ({args.np} x 1 rank)")
+    print(f"  {args.np} ranks / hardware limit  {summary['fraction_of_hardware_limit']:.2f}")
+    print(f"  {args.np} ranks / {args.np} independent trainers  {summary['vs_independent_trainers']:.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -5,12 +5,31 @@ import json
 import math
 import os
 import sys
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
-EPISODES_FILE = "episodes.jsonl"
-CONSOLE_EXTRAS = (("approx_kl", "kl"), ("td_loss", "td loss"), ("epsilon", "eps"))  # when present  # one row per finished game: global_step, return, length
+EPISODES_FILE = "episodes.jsonl"  # one row per finished game: global_step, return, length
+CONSOLE_EXTRAS = (("approx_kl", "kl"), ("td_loss", "td loss"), ("epsilon", "eps"))  # when present
+
+
+class RemainingTime:
+    """Seconds to `total` steps at the pace of the last `window` iterations. The pace of a whole
+    run would promise far too early an end where it changes: DQN runs ~6x slower once learning
+    starts."""
+
+    def __init__(self, window: int = 10):
+        self._points: deque[tuple[float, int]] = deque(maxlen=window + 1)
+
+    def start(self, now: float, step: int) -> None:
+        self._points.clear()
+        self._points.append((now, step))
+
+    def update(self, now: float, step: int, total: int) -> float:
+        self._points.append((now, step))
+        (t0, s0), (t1, s1) = self._points[0], self._points[-1]
+        return (total - s1) * (t1 - t0) / (s1 - s0) if s1 > s0 else float("nan")
 
 
 def _clean(value: Any) -> Any:

@@ -44,7 +44,7 @@ from hvd_rl.checkpoint import (CheckpointError, check_compatible, find_resumable
                                load_checkpoint, remove_stale_temporaries, save_checkpoint, warn)
 from hvd_rl.config import TrainConfig
 from hvd_rl.envs import EnvLayout, RankEnvs, env_seeds
-from hvd_rl.metrics import METRICS_FILE, MetricsLogger, log_line, truncate_metrics
+from hvd_rl.metrics import METRICS_FILE, MetricsLogger, RemainingTime, log_line, truncate_metrics
 
 # Exit codes, identical on every rank (documented in the README and used by the SLURM templates).
 EXIT_OK = 0
@@ -165,6 +165,7 @@ class Runtime:
         self._last_checkpoint_iteration = -1
         self._start_time = time.time()
         self._start_step = 0
+        self._remaining = RemainingTime()
 
     # ---- setup (collective) -----------------------------------------------------------------
 
@@ -197,6 +198,7 @@ class Runtime:
         progress.seed_offset = info["seed_offset"]
         progress.env_counts = tuple(info["env_counts"] or ())
         self._start_step = progress.global_step
+        self._remaining.start(time.time(), progress.global_step)
         # From the broadcast info, never from rank 0's local view: every rank must take the same
         # branch in _finish (a resumed, already finished run must not checkpoint on one rank only).
         self._last_checkpoint_iteration = info["iteration"] if info["path"] else -1
@@ -399,11 +401,8 @@ class Runtime:
                                                                    "verify.params")[0]
         if topo.rank == 0:
             logger = self._logger()
-            elapsed = time.time() - self._start_time
-            done = progress.global_step - self._start_step
             total = cfg.total_timesteps
-            eta = (total - progress.global_step) * elapsed / done if done else float("nan")
-            logger.log(record, total, eta)
+            logger.log(record, total, self._remaining.update(time.time(), progress.global_step, total))
             logger.episodes(progress.global_step, episodes[:, 0], episodes[:, 1])
         stop = report.stop_agreed or bool(per_rank[:, -1].max() > 0)
         return record, stop

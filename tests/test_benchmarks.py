@@ -20,10 +20,19 @@ def test_throughput_benchmark_machine_limit_and_ratios_are_consistent(tmp_path):
         assert rnd["fraction_of_machine_limit"] == pytest.approx(rnd["n_ranks"]["sps"] / (2 * core))
         assert rnd["weak_scaling"] == pytest.approx(rnd["n_ranks"]["sps"] / (2 * rnd["one_rank"]["sps"]))
         assert rnd["n_ranks"]["iterations"] == rnd["one_rank"]["iterations"] == 3
+        # the hardware's own 2-core efficiency: 2 probe copies and 2 one-rank trainers side by side
+        together = [1 / (1 / q["env_sps"] + 4 / q["learner_samples_per_s"] + 1 / q["inference_sps"])
+                    for q in rnd["probes_together"]]
+        assert len(together) == 2 and rnd["hardware_limit_sps"] == pytest.approx(sum(together))
+        assert rnd["fraction_of_hardware_limit"] == pytest.approx(rnd["n_ranks"]["sps"] / sum(together))
+        independent = [t["sps"] for t in rnd["trainers_together"]]
+        assert len(independent) == 2 and all(t["iterations"] == 3 for t in rnd["trainers_together"])
+        assert rnd["independent_scaling"] == pytest.approx(sum(independent) / (2 * rnd["one_rank"]["sps"]))
         assert rnd["n_ranks"]["runtime_settings"] == {"OMPI_MCA_mpi_yield_when_idle": "1", "HOROVOD_CYCLE_TIME": "2"}
         # per iteration: advantage statistics, 4 epochs x 4 minibatch gradients (epoch controls
         # ride along), the metrics allgather
         assert rnd["n_ranks"]["collectives_per_iteration"] == 1 + 16 + 4 + 1
-    assert set(r["summary"]) >= {"machine_limit_sps", "fraction_of_machine_limit", "weak_scaling"}
+    assert set(r["summary"]) >= {"machine_limit_sps", "fraction_of_machine_limit", "weak_scaling",
+                                 "hardware_efficiency", "independent_scaling", "vs_independent_trainers"}
     assert "/" not in r["config"][:1] and str(REPO) not in out.read_text()  # repository-relative paths
     assert "2 ranks / machine limit" in text and "2 ranks / (2 x 1 rank)" in text

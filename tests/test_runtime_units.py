@@ -1,6 +1,8 @@
-"""Runtime pieces without ranks: the preemption flag's handler and stop file."""
+"""Runtime pieces without ranks: the preemption flag's handler and stop file, the time left."""
+import math
 import signal
 
+from hvd_rl.metrics import RemainingTime
 from hvd_rl.runtime import PreemptionFlag, preempted_exit_code
 
 
@@ -27,3 +29,20 @@ def test_preempted_exit_code(monkeypatch):
     assert preempted_exit_code() == 75
     monkeypatch.setenv("HVD_RL_PREEMPTED_EXIT_CODE", "0")
     assert preempted_exit_code() == 0
+
+
+def test_remaining_time_follows_the_recent_pace():
+    """DQN: 80k steps at 1,250 SPS before learning starts, then 200 SPS. The time left must follow
+    the new pace within the window, not the run's average (which said 32 min instead of 79)."""
+    eta = RemainingTime(window=10)
+    eta.start(0.0, 0)
+    now, step = 0.0, 0
+    for _ in range(20):
+        now, step = now + 3.2, step + 4000  # 1,250 SPS
+        left = eta.update(now, step, 1_000_000)
+    assert math.isclose(left, (1_000_000 - step) / 1250)
+    for _ in range(10):
+        now, step = now + 20.0, step + 4000  # 200 SPS
+        left = eta.update(now, step, 1_000_000)
+    assert math.isclose(left, (1_000_000 - step) / 200)
+    assert math.isnan(RemainingTime().update(5.0, 0, 100))  # no step done yet

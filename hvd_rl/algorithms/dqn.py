@@ -183,11 +183,7 @@ class DQN(Algorithm):
         clock = time.perf_counter
         for _ in range(context.env_steps):
             t0 = clock()
-            epsilon = self._epsilon(step)
-            with torch.no_grad():
-                greedy = self.q_network(torch.from_numpy(self.obs).to(self.device)).argmax(-1).cpu().numpy()
-            explore = self.rng.random(len(greedy)) < epsilon
-            actions = np.where(explore, self.rng.integers(0, self.action_space.n, len(greedy)), greedy)
+            actions = self._epsilon_greedy(self.obs, self._epsilon(step))
             t1 = clock()
             result = self.envs.step(actions)
             t2 = clock()
@@ -223,6 +219,18 @@ class DQN(Algorithm):
                    "samples_per_env_step": updates * q.batch_size / max(1, context.env_steps * total_envs),
                    "learning_rate": q.learning_rate, "precision": self.precision.mode})
 
+    def _epsilon_greedy(self, observations: np.ndarray, epsilon: np.ndarray | float) -> np.ndarray:
+        """Random actions where a draw falls below epsilon, greedy ones elsewhere; the Q-network
+        runs only when some environment acts greedily (early in a run, almost none does)."""
+        n = len(observations)
+        explore = self.rng.random(n) < epsilon
+        random_actions = self.rng.integers(0, self.action_space.n, n)
+        if explore.all():
+            return random_actions
+        with torch.no_grad():
+            greedy = self.q_network(torch.from_numpy(observations).to(self.device)).argmax(-1).cpu().numpy()
+        return np.where(explore, random_actions, greedy)
+
     def _update(self, iteration: int, stop_requested: bool) -> tuple[float, float, bool]:
         """One gradient step on `batch_size` samples over all ranks (this rank draws its share).
         Returns the loss, the mean Q-value and whether any rank asked to stop."""
@@ -255,14 +263,9 @@ class DQN(Algorithm):
             for target, online in zip(self.target_network.parameters(), self.q_network.parameters()):
                 target.mul_(1.0 - tau).add_(online, alpha=tau) if tau < 1.0 else target.copy_(online)
 
-    @torch.no_grad()
     def act(self, observations: np.ndarray, greedy: bool) -> np.ndarray:
-        q_values = self.q_network(torch.from_numpy(np.asarray(observations)).to(self.device))
-        actions = q_values.argmax(-1).cpu().numpy()
-        if not greedy:  # evaluation epsilon as in CleanRL's dqn evaluation (0.05)
-            explore = self.rng.random(len(actions)) < 0.05
-            actions = np.where(explore, self.rng.integers(0, self.action_space.n, len(actions)), actions)
-        return actions
+        """Evaluation: greedy, or with CleanRL's dqn evaluation epsilon (0.05)."""
+        return self._epsilon_greedy(np.asarray(observations), 0.0 if greedy else 0.05)
 
     def close(self) -> None:
         if self.envs is not None:
