@@ -203,7 +203,8 @@ class RunResult:
 class ExperimentResult:
     experiment: Experiment
     env_id: str
-    batch: tuple[int, int, int]  # ranks, envs per rank, steps per env
+    batch: tuple[int, int, int]  # ranks, envs per rank, steps per env (PPO's rollout)
+    batch_text: tuple[str, str]  # the batch as the summary table and the section text say it
     runs: list[RunResult]
     aggregate: Aggregate | None
     references: list[Reference]
@@ -249,7 +250,8 @@ def collect(plan: Plan, out: Path, refs: ReferenceData, extra: list[str] | tuple
             runs.append(RunResult(spec, run_curve(spec.run_dir), stats, wall,
                                   mine[-1]["exit_code"] if mine else None))
         results.append(ExperimentResult(
-            experiment=exp, env_id=env_id, batch=(exp.ranks, cfg.env.num_envs, cfg.ppo.num_steps), runs=runs,
+            experiment=exp, env_id=env_id, batch=(exp.ranks, cfg.env.num_envs, cfg.ppo.num_steps),
+            batch_text=_batch_text(exp.algorithm, exp.ranks, cfg), runs=runs,
             aggregate=aggregate([r.curve for r in runs]),
             references=refs.for_run(exp.algorithm, exp.reference_env or env_id)))
     return results
@@ -311,10 +313,21 @@ def plot_experiment(ax, result: ExperimentResult) -> None:
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1e6:g}M" if x else "0"))
     ax.set_xlabel("global env steps (agent steps; Atari: x4 frames)")
     ax.set_ylabel(f"return of whole games, mean of last {LAST_N}")
-    ranks, envs, steps = result.batch
-    ax.set_title(f"{exp.name}: {result.env_id}\n{ranks} rank(s) x {envs} envs x {steps} steps", fontsize=10)
+    ax.set_title(f"{exp.name}: {result.env_id}\n{result.batch_text[1]}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
+
+
+def _batch_text(algorithm: str, ranks: int, cfg) -> tuple[str, str]:
+    """PPO learns from each rollout (ranks x envs x steps); DQN from replay batches."""
+    envs = cfg.env.num_envs
+    if algorithm == "dqn":
+        q = cfg.dqn
+        return (f"{q.batch_size} (replay)", f"{ranks} rank(s) x {envs} env(s), replay batch {q.batch_size} "
+                f"per update, one update per {q.train_frequency} global steps")
+    steps = cfg.ppo.num_steps
+    return (f"{ranks}x{envs}x{steps} = {ranks * envs * steps:,}",
+            f"{ranks} rank(s) x {envs} envs x {steps} steps = global batch {ranks * envs * steps:,}")
 
 
 def _figure(results: list[ExperimentResult], path: Path) -> None:
@@ -391,18 +404,16 @@ def _markdown(plan: Plan, out: Path, results: list[ExperimentResult], refs_path:
         verdicts = ", ".join(_verdict(ok) for _, ok in r.acceptance()) or "—"
         if verdicts != "—" and not r.all_completed:
             verdicts += " (provisional)"
-        ranks, envs, steps = r.batch
-        lines.append(f"| [{r.experiment.name}](#{r.experiment.name.lower()}) | {r.env_id} | {ranks}x{envs}x{steps} "
-                     f"= {ranks * envs * steps:,} | {r.experiment.steps:,} | {done}/{len(r.runs)} | {mean} | "
+        lines.append(f"| [{r.experiment.name}](#{r.experiment.name.lower()}) | {r.env_id} | {r.batch_text[0]} "
+                     f"| {r.experiment.steps:,} | {done}/{len(r.runs)} | {mean} | "
                      f"{_ref_at(r, r.experiment.steps)} | {verdicts} |")
     lines.append("")
     for r in results:
         exp = r.experiment
-        ranks, envs, steps = r.batch
         lines += [f"## {exp.name}", "",
                   f"{r.env_id}, {exp.algorithm}, config `{exp.config}`"
                   + (f" with `{' '.join(exp.overrides)}`" if exp.overrides else "")
-                  + f"; {ranks} rank(s) x {envs} envs x {steps} steps = global batch {ranks * envs * steps:,}; "
+                  + f"; {r.batch_text[1]}; "
                   f"{exp.steps:,} global steps per seed.", "", f"![{exp.name}]({exp.name}.png)", "",
                   f"| seed | status | global steps | games | last-{LAST_N} return | wall time | train time | SPS "
                   "| curve from |", "|---|---|---|---|---|---|---|---|---|"]
