@@ -8,7 +8,9 @@ Each round runs, one after the other with nothing else on the machine:
            env), inference steps/s (the rollout's copy-in, forward, sample), learner samples/s
            (full PPO updates: every epoch and minibatch, optimizer step included)
   1 rank   the real trainer as one process with one compute thread, pinned to one CPU (each
-           of the N ranks gets one core from mpirun's default binding)
+           of the N ranks gets one core from mpirun's default binding); run twice, right before
+           and right after the N-rank run, and averaged, so that a drift of the machine's speed
+           during the three runs cancels out of the weak-scaling ratio
   N ranks  the real trainer launched exactly as `make train` does (mpirun -np N --oversubscribe)
   N alone  N independent copies of the probes, then of the 1-rank trainer, at once, each pinned
            to its own CPU: no MPI, no Horovod, nothing shared but the hardware (caches, memory
@@ -17,7 +19,7 @@ Each round runs, one after the other with nothing else on the machine:
 One iteration needs one env step, one inference and `update_epochs` learner passes per sample, so
 one core can do at most 1 / (1/env + epochs/learner + 1/inference) env steps/s, and the machine
 limit is that times the cores the N ranks use. Reported: N-rank SPS / machine limit, and
-N-rank SPS / (N x 1-rank SPS) (weak scaling on one node). The order of the three parts rotates
+N-rank SPS / (N x 1-rank SPS) (weak scaling on one node). The order of the parts rotates
 from round to round, and every ratio is formed within a round, so drift of a shared machine hits
 both sides of a ratio alike; the summary gives the median over rounds.
 """
@@ -211,13 +213,14 @@ def summarize(rounds: list[dict], ranks: int, epochs: int) -> dict:
         r["core_ceiling_sps"] = core_ceiling(r["probes"], epochs)
         r["machine_limit_sps"] = ranks * r["core_ceiling_sps"]
         r["fraction_of_machine_limit"] = r["n_ranks"]["sps"] / r["machine_limit_sps"]
-        r["weak_scaling"] = r["n_ranks"]["sps"] / (ranks * r["one_rank"]["sps"])
+        r["one_rank_sps"] = statistics.mean(r[k]["sps"] for k in ("one_rank", "one_rank_after"))
+        r["weak_scaling"] = r["n_ranks"]["sps"] / (ranks * r["one_rank_sps"])
         together = [core_ceiling(p, epochs) for p in r["probes_together"]]
         r["hardware_limit_sps"] = sum(together)
         r["hardware_efficiency"] = sum(together) / r["machine_limit_sps"]
         r["fraction_of_hardware_limit"] = r["n_ranks"]["sps"] / r["hardware_limit_sps"]
         r["independent_trainers_sps"] = sum(t["sps"] for t in r["trainers_together"])
-        r["independent_scaling"] = r["independent_trainers_sps"] / (ranks * r["one_rank"]["sps"])
+        r["independent_scaling"] = r["independent_trainers_sps"] / (ranks * r["one_rank_sps"])
         r["vs_independent_trainers"] = r["n_ranks"]["sps"] / r["independent_trainers_sps"]
 
     def med(get):
@@ -225,7 +228,7 @@ def summarize(rounds: list[dict], ranks: int, epochs: int) -> dict:
 
     return {
         "n_ranks_sps": med(lambda r: r["n_ranks"]["sps"]),
-        "one_rank_sps": med(lambda r: r["one_rank"]["sps"]),
+        "one_rank_sps": med(lambda r: r["one_rank_sps"]),
         "machine_limit_sps": med(lambda r: r["machine_limit_sps"]),
         "fraction_of_machine_limit": med(lambda r: r["fraction_of_machine_limit"]),
         "weak_scaling": med(lambda r: r["weak_scaling"]),
@@ -264,7 +267,8 @@ def main() -> int:
         print(json.dumps(run_probes(cfg, args.steps)))
         return 0
 
-    order = ["probes", "one_rank", "n_ranks", "together"]
+    # The 1-rank runs bracket the N-rank run (see the module docstring); the blocks rotate.
+    order = ["probes", "scaling", "together"]
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         for index in range(args.rounds):
@@ -277,13 +281,14 @@ def main() -> int:
                     result["trainers_together"] = independent_trainers(
                         args, Path(tmp) / f"together-{index}", args.warmup + args.iterations)
                 else:
-                    ranks = 1 if part == "one_rank" else args.np
-                    run_dir = Path(tmp) / f"{part}-{index}"
-                    result[part] = trainer_run(args, ranks, run_dir, args.warmup + args.iterations)
+                    for name, ranks in (("one_rank", 1), ("n_ranks", args.np), ("one_rank_after", 1)):
+                        result[name] = trainer_run(args, ranks, Path(tmp) / f"{name}-{index}",
+                                                   args.warmup + args.iterations)
             rounds.append(result)
             print(f"round {index + 1}: probes env {result['probes']['env_sps']:.0f} inference "
                   f"{result['probes']['inference_sps']:.0f} learner {result['probes']['learner_samples_per_s']:.0f} | "
-                  f"1 rank {result['one_rank']['sps']:.0f} SPS | {args.np} ranks {result['n_ranks']['sps']:.0f} SPS | "
+                  f"1 rank {result['one_rank']['sps']:.0f} / {result['one_rank_after']['sps']:.0f} SPS (before / after) | "
+                  f"{args.np} ranks {result['n_ranks']['sps']:.0f} SPS | "
                   f"{args.np} independent 1-rank trainers {sum(t['sps'] for t in result['trainers_together']):.0f} SPS",
                   flush=True)
     summary = summarize(rounds, args.np, cfg.ppo.update_epochs)
@@ -306,7 +311,7 @@ def main() -> int:
           f"learner {p['learner_samples_per_s']:.0f} samples/s (x{cfg.ppo.update_epochs} epochs)")
     print(f"  machine limit       {summary['machine_limit_sps']:8.0f} SPS  = {args.np} cores x "
           f"1/(1/env + {cfg.ppo.update_epochs}/learner + 1/inference)")
-    print(f"  1 rank, 1 thread    {summary['one_rank_sps']:8.0f} SPS")
+    print(f"  1 rank, 1 thread    {summary['one_rank_sps']:8.0f} SPS (before and after the {args.np}-rank run)")
     print(f"  {args.np} ranks             {summary['n_ranks_sps']:8.0f} SPS "
           f"({summary['collectives_per_iteration']:.0f} collectives per iteration)")
     print(f"  {args.np} ranks / machine limit   {summary['fraction_of_machine_limit']:.2f}")
