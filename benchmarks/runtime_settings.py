@@ -3,8 +3,9 @@
     python benchmarks/runtime_settings.py --out benchmarks/results/runtime_settings.json
 
 Compares Open MPI's and Horovod's own defaults (busy-polling MPI, 1 ms Horovod cycle) with
-Open MPI's yield_when_idle, longer Horovod cycle times, process binding, Horovod's background
-thread affinity and the Gloo controller (horovodrun --gloo). Every variant runs once per round,
+Open MPI's yield_when_idle, longer and shorter Horovod cycle times, fp16 gradient compression,
+process binding, Horovod's background thread affinity and the Gloo controller (horovodrun
+--gloo). Every variant runs once per round,
 the order rotating from round to round; the table gives the median SPS over rounds and the
 ratio to the project default measured in the same rounds. The chosen defaults live in
 `distributed.mpi_yield_when_idle` and `distributed.cycle_time_ms` and are put into the
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -33,14 +35,17 @@ VARIANTS: dict[str, tuple[list[str], list[str]]] = {
     "yield_when_idle only": (MPIRUN, ["distributed.cycle_time_ms=0"]),
     "cycle 10 ms only": (MPIRUN, ["distributed.mpi_yield_when_idle=false", "distributed.cycle_time_ms=10"]),
     "yield + cycle 5 ms": (MPIRUN, ["distributed.cycle_time_ms=5"]),
-    "yield + cycle 2 ms (default)": (MPIRUN, []),
+    "yield + cycle 2 ms": (MPIRUN, ["distributed.cycle_time_ms=2"]),
+    "yield + cycle 1 ms (default)": (MPIRUN, []),
+    "yield + cycle 0.5 ms": (MPIRUN, ["distributed.cycle_time_ms=0.5"]),
+    "default + fp16 gradient compression": (MPIRUN, ['distributed.compression="fp16"']),
     "default + --bind-to none": (MPIRUN + ["--bind-to", "none"], []),
     "default + --bind-to none + HOROVOD_THREAD_AFFINITY=0,1": (
         MPIRUN + ["--bind-to", "none", "-x", "HOROVOD_THREAD_AFFINITY=0,1"], []),
     "horovodrun --gloo (default settings)": (
         [str(VENV_BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2"], []),
 }
-DEFAULT = "yield + cycle 2 ms (default)"
+DEFAULT = "yield + cycle 1 ms (default)"
 
 
 def main() -> int:
@@ -50,11 +55,16 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--variant", action="append", default=[],
+                        help="run only this variant (repeatable; the default is always run, as the reference)")
     parser.add_argument("--out")
     args = parser.parse_args()
     os.chdir(REPO)
     args.config = repo_relative(args.config)
-    names = list(VARIANTS)
+    unknown = [name for name in args.variant if name not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant {unknown[0]!r}; one of: {', '.join(VARIANTS)}")
+    names = [name for name in VARIANTS if not args.variant or name in args.variant or name == DEFAULT]
     results: dict[str, list[dict]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
         for index in range(args.rounds):
@@ -83,7 +93,7 @@ def main() -> int:
               f"{row['update_s']:.2f} | {row['env_plus_inference_s']:.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "command": "python benchmarks/runtime_settings.py " + " ".join(sys.argv[1:]),
+            "command": shlex.join(["python", "benchmarks/runtime_settings.py", *sys.argv[1:]]),
             "config": args.config, "rounds": args.rounds, "iterations": args.iterations,
             "cpus": os.cpu_count(), "variants": table}, indent=1) + "\n")
     return 0

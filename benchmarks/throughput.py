@@ -1,6 +1,7 @@
 """Trainer throughput against the machine's limit, and weak scaling, measured in one run.
 
     python benchmarks/throughput.py --np 2 --out benchmarks/results/throughput_atari_2ranks.json
+    python benchmarks/throughput.py --combine RUN1.json RUN2.json   # medians over both runs' rounds
 
 Each round runs, one after the other with nothing else on the machine:
   probes   one process pinned to one CPU, one thread: each part of an iteration alone, at the
@@ -244,6 +245,43 @@ def summarize(rounds: list[dict], ranks: int, epochs: int) -> dict:
     }
 
 
+def print_summary(summary: dict, ranks: int, cfg, precision: str, rounds: int) -> None:
+    p = summary["probes"]
+    print(f"{ranks} ranks x 1 thread, {cfg.env.num_envs} envs/rank, {cfg.env.id} ({cfg.env.backend}), "
+          f"precision {precision}; medians over {rounds} rounds")
+    print(f"  one core alone: env {p['env_sps']:.0f} steps/s, inference {p['inference_sps']:.0f} steps/s, "
+          f"learner {p['learner_samples_per_s']:.0f} samples/s (x{cfg.ppo.update_epochs} epochs)")
+    print(f"  machine limit       {summary['machine_limit_sps']:8.0f} SPS  = {ranks} cores x "
+          f"1/(1/env + {cfg.ppo.update_epochs}/learner + 1/inference)")
+    print(f"  1 rank, 1 thread    {summary['one_rank_sps']:8.0f} SPS (before and after the {ranks}-rank run)")
+    print(f"  {ranks} ranks             {summary['n_ranks_sps']:8.0f} SPS "
+          f"({summary['collectives_per_iteration']:.0f} collectives per iteration)")
+    print(f"  {ranks} ranks / machine limit   {summary['fraction_of_machine_limit']:.2f}")
+    print(f"  {ranks} ranks / ({ranks} x 1 rank)     {summary['weak_scaling']:.2f}")
+    print(f"  the hardware alone: {ranks} probe copies at once reach {summary['hardware_efficiency']:.2f} of the machine "
+          f"limit ({summary['hardware_limit_sps']:.0f} SPS); {ranks} independent 1-rank trainers at once "
+          f"{summary['independent_trainers_sps']:.0f} SPS = {summary['independent_scaling']:.2f} x ({ranks} x 1 rank)")
+    print(f"  {ranks} ranks / hardware limit  {summary['fraction_of_hardware_limit']:.2f}")
+    print(f"  {ranks} ranks / {ranks} independent trainers  {summary['vs_independent_trainers']:.2f}")
+
+
+def combine(paths: list[str]) -> int:
+    """Medians over the rounds of several runs of the same setup (more rounds, less drift)."""
+    results = [json.loads(Path(path).read_text()) for path in paths]
+    setup = {k: results[0][k] for k in ("config", "overrides", "ranks", "update_epochs")}
+    for path, result in zip(paths, results):
+        if {k: result[k] for k in setup} != setup:
+            raise SystemExit(f"throughput.py: {path} measured another setup than {paths[0]}")
+    rounds = [r for result in results for r in result["rounds"]]
+    if len({json.dumps(r["n_ranks"]["runtime_settings"], sort_keys=True) for r in rounds}) > 1:
+        raise SystemExit("throughput.py: these runs waited with different MPI/Horovod settings")
+    cfg = load_config(setup["config"], setup["overrides"])
+    print(f"{len(rounds)} rounds from {', '.join(paths)}")
+    print_summary(summarize(rounds, setup["ranks"], setup["update_epochs"]), setup["ranks"], cfg,
+                  rounds[0]["n_ranks"]["precision"], len(rounds))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/atari_ppo.toml")
@@ -256,6 +294,8 @@ def main() -> int:
     parser.add_argument("--mpirun-arg", action="append", default=[], help="extra mpirun argument (experiments)")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--combine", nargs="+", metavar="RESULT_JSON",
+                        help="no measuring: the summary over all rounds of these result files (same config)")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.chdir(REPO)  # paths in results stay relative to the repository
@@ -266,6 +306,8 @@ def main() -> int:
     if args.probe:
         print(json.dumps(run_probes(cfg, args.steps)))
         return 0
+    if args.combine:
+        return combine(args.combine)
 
     # The 1-rank runs bracket the N-rank run (see the module docstring); the blocks rotate.
     order = ["probes", "scaling", "together"]
@@ -304,23 +346,7 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "python": platform.python_version(), "torch": torch.__version__},
     }
-    p = summary["probes"]
-    print(f"{args.np} ranks x 1 thread, {cfg.env.num_envs} envs/rank, {cfg.env.id} ({cfg.env.backend}), "
-          f"precision {rounds[0]['n_ranks']['precision']}; medians over {args.rounds} rounds")
-    print(f"  one core alone: env {p['env_sps']:.0f} steps/s, inference {p['inference_sps']:.0f} steps/s, "
-          f"learner {p['learner_samples_per_s']:.0f} samples/s (x{cfg.ppo.update_epochs} epochs)")
-    print(f"  machine limit       {summary['machine_limit_sps']:8.0f} SPS  = {args.np} cores x "
-          f"1/(1/env + {cfg.ppo.update_epochs}/learner + 1/inference)")
-    print(f"  1 rank, 1 thread    {summary['one_rank_sps']:8.0f} SPS (before and after the {args.np}-rank run)")
-    print(f"  {args.np} ranks             {summary['n_ranks_sps']:8.0f} SPS "
-          f"({summary['collectives_per_iteration']:.0f} collectives per iteration)")
-    print(f"  {args.np} ranks / machine limit   {summary['fraction_of_machine_limit']:.2f}")
-    print(f"  {args.np} ranks / ({args.np} x 1 rank)     {summary['weak_scaling']:.2f}")
-    print(f"  the hardware alone: {args.np} probe copies at once reach {summary['hardware_efficiency']:.2f} of the machine "
-          f"limit ({summary['hardware_limit_sps']:.0f} SPS); {args.np} independent 1-rank trainers at once "
-          f"{summary['independent_trainers_sps']:.0f} SPS = {summary['independent_scaling']:.2f} x ({args.np} x 1 rank)")
-    print(f"  {args.np} ranks / hardware limit  {summary['fraction_of_hardware_limit']:.2f}")
-    print(f"  {args.np} ranks / {args.np} independent trainers  {summary['vs_independent_trainers']:.2f}")
+    print_summary(summary, args.np, cfg, rounds[0]["n_ranks"]["precision"], args.rounds)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

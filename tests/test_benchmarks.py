@@ -31,7 +31,7 @@ def test_throughput_benchmark_machine_limit_and_ratios_are_consistent(tmp_path):
         independent = [t["sps"] for t in rnd["trainers_together"]]
         assert len(independent) == 2 and all(t["iterations"] == 3 for t in rnd["trainers_together"])
         assert rnd["independent_scaling"] == pytest.approx(sum(independent) / (2 * one_rank))
-        assert rnd["n_ranks"]["runtime_settings"] == {"OMPI_MCA_mpi_yield_when_idle": "1", "HOROVOD_CYCLE_TIME": "2"}
+        assert rnd["n_ranks"]["runtime_settings"] == {"OMPI_MCA_mpi_yield_when_idle": "1", "HOROVOD_CYCLE_TIME": "1"}
         # per iteration: advantage statistics, 4 epochs x 4 minibatch gradients (epoch controls
         # ride along), the metrics allgather
         assert rnd["n_ranks"]["collectives_per_iteration"] == 1 + 16 + 4 + 1
@@ -39,3 +39,8 @@ def test_throughput_benchmark_machine_limit_and_ratios_are_consistent(tmp_path):
                                  "hardware_efficiency", "independent_scaling", "vs_independent_trainers"}
     assert "/" not in r["config"][:1] and str(REPO) not in out.read_text()  # repository-relative paths
     assert "2 ranks / machine limit" in text and "2 ranks / (2 x 1 rank)" in text
+    # --combine: medians over the rounds of several result files (here the same one twice)
+    combined = check(run([PYTHON, REPO / "benchmarks" / "throughput.py", "--combine", out, out], timeout=60))
+    assert "4 rounds from" in combined
+    assert f"2 ranks / (2 x 1 rank)     {r['summary']['weak_scaling']:.2f}" in combined
+    assert f"2 ranks / machine limit   {r['summary']['fraction_of_machine_limit']:.2f}" in combined

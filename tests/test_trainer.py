@@ -140,7 +140,7 @@ def test_waiting_settings_are_applied_before_mpi_starts_and_an_override_is_repor
     run_dir = tmp_path / "run"
     check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=256")), timeout=180))
     settings = json.loads((run_dir / "summary.json").read_text())["topology"]["runtime_settings"]
-    assert settings == {"OMPI_MCA_mpi_yield_when_idle": "1", "HOROVOD_CYCLE_TIME": "2"}
+    assert settings == {"OMPI_MCA_mpi_yield_when_idle": "1", "HOROVOD_CYCLE_TIME": "1"}
     forced = tmp_path / "forced"
     out = check(run(mpirun_cmd(2, "-x", "OMPI_MCA_mpi_yield_when_idle=0",
                                *train_cmd(forced, *QUICK, "ppo.total_timesteps=256")), timeout=180))
