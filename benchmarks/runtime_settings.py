@@ -5,9 +5,9 @@
 Compares Open MPI's and Horovod's own defaults (busy-polling MPI, 1 ms Horovod cycle) with
 Open MPI's yield_when_idle, longer and shorter Horovod cycle times, fp16 gradient compression,
 process binding, Horovod's background thread affinity and the Gloo controller (horovodrun
---gloo). Every variant runs once per round,
-the order rotating from round to round; the table gives the median SPS over rounds and the
-ratio to the project default measured in the same rounds. The chosen defaults live in
+--gloo). Every variant runs once per round, the order rotating from round to round; the table
+gives the median SPS over rounds and the ratio to the project default measured in the same
+rounds. The chosen defaults live in
 `distributed.mpi_yield_when_idle` and `distributed.cycle_time_ms` and are put into the
 environment by the trainer itself before MPI starts (hvd_rl.distributed.apply_runtime_settings).
 """

@@ -273,6 +273,8 @@ def combine(paths: list[str]) -> int:
         if {k: result[k] for k in setup} != setup:
             raise SystemExit(f"throughput.py: {path} measured another setup than {paths[0]}")
     rounds = [r for result in results for r in result["rounds"]]
+    if any("one_rank_after" not in r for r in rounds):
+        raise SystemExit("throughput.py: a run predates the bracketing 1-rank runs; combine newer runs only")
     if len({json.dumps(r["n_ranks"]["runtime_settings"], sort_keys=True) for r in rounds}) > 1:
         raise SystemExit("throughput.py: these runs waited with different MPI/Horovod settings")
     cfg = load_config(setup["config"], setup["overrides"])
