@@ -139,14 +139,16 @@ def train_command(config: str, overrides: list[str], ranks: int, run_dir: Path, 
             "--set", "logging.tensorboard=false", "--set", "logging.console=false"]
 
 
-def measure_run(cmd: list[str] | None, run_dir: Path, warmup: int, timeout: float,
-                env: dict[str, str] | None = None) -> dict:
-    """Runs a trainer command (None: reads a run that has already finished); SPS and mean phase
-    times over the iterations after `warmup`."""
-    if cmd is not None:
-        proc = subprocess.run(cmd, env=env or mpi_env(), capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+def measure_run(cmd: list[str], run_dir: Path, warmup: int, timeout: float) -> dict:
+    """Runs a trainer command that writes to `run_dir`, then reads the run (`read_run`)."""
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return read_run(run_dir, warmup)
+
+
+def read_run(run_dir: Path, warmup: int) -> dict:
+    """A finished run's SPS and mean phase times over the iterations after `warmup`."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     measured = rows[warmup:]
     first_step = rows[warmup - 1]["global_step"] if warmup else 0
@@ -206,7 +208,7 @@ def independent_trainers(args, run_dir: Path, iterations: int) -> list[dict]:
         train = train_command(args.config, args.overrides, 1, dirs[-1], iterations)
         cmds.append(pinned(train + ["--set", "distributed.threads_per_rank=1"], copy))
     run_together(cmds, args.timeout)
-    return [measure_run(None, d, args.warmup, args.timeout) for d in dirs]
+    return [read_run(d, args.warmup) for d in dirs]
 
 
 def summarize(rounds: list[dict], ranks: int, epochs: int) -> dict:
