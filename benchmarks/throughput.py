@@ -59,6 +59,7 @@ def run_probes(cfg, steps: int) -> dict[str, float]:
     from hvd_rl.models import InferencePolicy, build_model
     from hvd_rl.algorithms.ppo import Batch, PPOLearner
     from hvd_rl.precision import precision_for
+    from hvd_rl.rollout import observation_storage
 
     dist.init(cfg.distributed.mpi_yield_when_idle, cfg.distributed.cycle_time_ms)
     torch.set_num_threads(1)
@@ -85,7 +86,7 @@ def run_probes(cfg, steps: int) -> dict[str, float]:
     # inference: the collector's per-step work without the env
     frames = [rng.integers(0, 255, (n,) + obs_space.shape).astype(obs_space.dtype) for _ in range(4)]
     dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
-    slots = torch.zeros((cfg.ppo.num_steps, n) + obs_space.shape, dtype=dtype)
+    slots = observation_storage((cfg.ppo.num_steps, n), obs_space.shape, dtype, torch.device("cpu"))
     with torch.no_grad():
         for step in range(steps + 32):
             if step == 32:
@@ -98,7 +99,8 @@ def run_probes(cfg, steps: int) -> dict[str, float]:
 
     # learner: full PPO updates on a rollout-sized synthetic batch (first update is warm-up)
     size = cfg.local_batch_size
-    obs = torch.from_numpy(rng.integers(0, 255, (size,) + obs_space.shape).astype(obs_space.dtype))
+    obs = observation_storage((size,), obs_space.shape, dtype, torch.device("cpu"))  # the rollout's layout
+    obs.copy_(torch.from_numpy(rng.integers(0, 255, (size,) + obs_space.shape).astype(obs_space.dtype)))
     batch = Batch(obs=obs, actions=torch.from_numpy(rng.integers(0, action_space.n, size)),
                   logprobs=torch.full((size,), -1.4), values=torch.zeros(size),
                   advantages=torch.from_numpy(rng.normal(size=size).astype(np.float32)),

@@ -33,14 +33,19 @@ class Episodes:
 
 
 class RolloutBuffer:
-    """[T, E] storage for one rollout on this rank."""
+    """[T, E] storage for one rollout on this rank.
+
+    Stacked frames [T, E, C, H, W] are stored channels-last (memory order T, E, H, W, C): the
+    convolutions run channels-last, so the copy into the buffer is the only re-layout a frame
+    gets, in the rollout and in the learner's minibatches alike (bitwise the same numbers as
+    contiguous storage; one copy of every frame less per step)."""
 
     def __init__(self, num_steps: int, num_envs: int, obs_space: gym.Space, action_space: gym.Space,
                  device: torch.device):
         self.num_steps, self.num_envs = num_steps, num_envs
         shape = (num_steps, num_envs)
         obs_dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
-        self.obs = torch.zeros(shape + tuple(obs_space.shape), dtype=obs_dtype, device=device)
+        self.obs = observation_storage(shape, tuple(obs_space.shape), obs_dtype, device)
         if isinstance(action_space, gym.spaces.Box):
             self.actions = torch.zeros(shape + tuple(action_space.shape), device=device)
         else:
@@ -51,6 +56,18 @@ class RolloutBuffer:
         self.terminated = torch.zeros(shape, device=device)
         self.truncated = torch.zeros(shape, device=device)
         self.bootstrap_values = torch.zeros(shape, device=device)
+
+
+def observation_storage(leading: tuple[int, ...], obs_shape: tuple[int, ...], dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor:
+    """Zeros of shape leading + obs_shape; channels-last in memory when an observation is an image
+    stack (C, H, W), so that every [..., C, H, W] slice is a channels-last batch."""
+    if len(obs_shape) != 3:
+        return torch.zeros(leading + obs_shape, dtype=dtype, device=device)
+    c, h, w = obs_shape
+    n = len(leading)
+    return torch.zeros(leading + (h, w, c), dtype=dtype, device=device).permute(
+        *range(n), n + 2, n, n + 1)
 
 
 class RolloutCollector:

@@ -7,6 +7,7 @@ import torch
 from hvd_rl.config import ModelConfig
 from hvd_rl.models import InferencePolicy, build_model
 from hvd_rl.precision import Precision, PrecisionError, cpu_has_native_bf16, resolve_amp
+from hvd_rl.rollout import observation_storage
 
 FRAMES = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
 
@@ -67,3 +68,22 @@ def test_auto_precision_choices():
     assert resolve_amp("bf16", cpu, convolutional=False) == "bf16"
     with pytest.raises(PrecisionError, match="needs a CUDA device"):
         resolve_amp("fp16", cpu, convolutional=True)
+
+
+def test_channels_last_frame_storage_changes_no_number():
+    """The rollout buffer keeps frames channels-last (one re-layout per frame, at the copy in);
+    the inference copy and the training model compute bitwise what they compute on contiguous
+    frames, in bf16 and fp32."""
+    frames = torch.randint(0, 256, (2, 8, 4, 84, 84), dtype=torch.uint8)
+    stored = observation_storage((2, 8), (4, 84, 84), torch.uint8, torch.device("cpu"))
+    stored.copy_(frames)
+    assert stored[1].is_contiguous(memory_format=torch.channels_last)
+    assert stored.reshape(16, 4, 84, 84).data_ptr() == stored.data_ptr()  # the learner's batch is a view
+    for mode in ("off", "bf16"):
+        model = _cnn(mode)
+        policy = InferencePolicy(model)
+        with torch.no_grad():
+            for a, b in zip(policy(frames[1]), policy(stored[1])):
+                assert torch.equal(a, b)
+            for a, b in zip(model(frames.reshape(16, 4, 84, 84)), model(stored.reshape(16, 4, 84, 84))):
+                assert torch.equal(a, b)
