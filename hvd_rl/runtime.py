@@ -44,6 +44,7 @@ from hvd_rl.checkpoint import (CheckpointError, check_compatible, find_resumable
                                load_checkpoint, remove_stale_temporaries, save_checkpoint, warn)
 from hvd_rl.config import TrainConfig
 from hvd_rl.envs import EnvLayout, RankEnvs, env_seeds
+from hvd_rl.heap import page_faults, retain_freed_memory
 from hvd_rl.metrics import METRICS_FILE, MetricsLogger, RemainingTime, log_line, truncate_metrics
 
 # Exit codes, identical on every rank (documented in the README and used by the SLURM templates).
@@ -151,6 +152,7 @@ class Runtime:
         if d.reduction == "adasum":
             dist.check_adasum(self.topo)
         self.threads = dist.configure_threads(self.topo, d.threads_per_rank)
+        self.heap_retained = d.retain_freed_memory and retain_freed_memory()
         self.device = dist.select_device(self.topo, d.device)
         self.preemption = PreemptionFlag(self.run_dir / STOP_FILE)
         self.preemption.install()
@@ -348,6 +350,7 @@ class Runtime:
         iteration = progress.iteration + 1
         t_start = time.perf_counter()
         cpu_start = time.process_time()
+        faults_start = page_faults()
         clock_before = (dist.CLOCK.count, dist.CLOCK.seconds)
         context = IterationContext(iteration=iteration, global_step=progress.global_step,
                                    env_steps=env_steps, layout=layout, rank=topo.rank,
@@ -355,7 +358,8 @@ class Runtime:
         report = self.algorithm.iterate(context)
         blocked = dist.CLOCK.seconds - clock_before[1]
         cpu = time.process_time() - cpu_start
-        per_rank, sums, episodes = self._gather(report, [blocked, cpu], self.preemption.raised)
+        faults = page_faults() - faults_start
+        per_rank, sums, episodes = self._gather(report, [blocked, cpu, faults], self.preemption.raised)
         collectives = dist.CLOCK.count - clock_before[0]
         if cfg.debug.iteration_sleep:
             time.sleep(cfg.debug.iteration_sleep)
@@ -372,7 +376,7 @@ class Runtime:
                                      "stopping all ranks")
         # Time blocked in collectives: the fastest rank's is communication (it never waited for
         # anybody); what the others spent beyond that was waiting for slower ranks.
-        blocked_by_rank, cpu_by_rank = per_rank[:, -3], per_rank[:, -2]
+        blocked_by_rank, cpu_by_rank, faults_by_rank = per_rank[:, -4], per_rank[:, -3], per_rank[:, -2]
         comm = float(blocked_by_rank.min())
         waits = blocked_by_rank - comm
         busy = per_rank[:, [i for i, k in enumerate(keys) if k.startswith("time_")]].sum(axis=1)
@@ -395,6 +399,8 @@ class Runtime:
             "time_busy_by_rank": [float(b) for b in busy],
             "env_steps_per_busy_s_by_rank": [float(s) for s in local_steps / np.maximum(busy, 1e-9)],
             "cpu_util_by_rank": [float(c) for c in cpu_by_rank / wall],
+            # Memory touched anew (hvd_rl/heap.py): near 0 in steady state when freed memory is kept.
+            "page_faults_by_rank": [int(f) for f in faults_by_rank],
         })
         if cfg.distributed.verify_every and iteration % cfg.distributed.verify_every == 0:
             record["parameters_identical"] = dist.parameters_agree(self.algorithm.parameters_module(),
@@ -412,7 +418,7 @@ class Runtime:
         """ONE allgather per iteration: every rank's metrics, sums, finished games and stop flag.
 
         Rows are [kind, values...]: kind 0 holds a rank's [metrics..., sums..., runtime values
-        (blocked seconds, CPU seconds), stop] (ranks in order), kind 1 a finished game (return,
+        (blocked seconds, CPU seconds, page faults), stop] (ranks in order), kind 1 a finished game (return,
         length). Returns (per-rank [metrics..., runtime values..., stop] rows, summed sums,
         games [n, 2]).
         """
@@ -559,6 +565,7 @@ class Runtime:
                 "precision": getattr(self.algorithm, "precision_mode", "off"),
                 "runtime_settings": {name: os.environ.get(name) for name in (dist.YIELD_VAR, dist.CYCLE_VAR)},
                 "hierarchical_allreduce": dist.hierarchical_allreduce_status(topo, self.device),
+                "freed_memory_retained": self.heap_retained,
                 "cpus_per_node": os.cpu_count(), "hostnames": sorted(set(hostnames)),
                 "per_rank": [{"rank": i, **r} for i, r in enumerate(ranks)],
                 "versions": {"python": platform.python_version(), "torch": torch.__version__,
