@@ -162,6 +162,8 @@ def read_run(run_dir: Path, warmup: int) -> dict:
     return {"sps": (measured[-1]["global_step"] - first_step) / seconds, "iterations": len(measured),
             "phases_s": {k: statistics.mean(r[k] for r in measured) for k in PHASES},
             "collectives_per_iteration": statistics.mean(r["collectives"] for r in measured),
+            "page_faults_per_rank_iteration": statistics.mean(
+                statistics.mean(r.get("page_faults_by_rank") or [0]) for r in measured),
             "precision": measured[-1]["precision"],
             "runtime_settings": summary["topology"].get("runtime_settings")}
 
