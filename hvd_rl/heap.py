@@ -12,7 +12,6 @@ between phases. `metrics.jsonl` records `page_faults_by_rank` per iteration, so 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import resource
 
 M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
@@ -24,8 +23,8 @@ TRIM_THRESHOLD = 1 << 30
 def retain_freed_memory() -> bool:
     """Pins glibc's mmap and trim thresholds high. False where the C library is not glibc (musl,
     macOS): nothing changes there."""
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    try:  # the C library already loaded into this process (no ldconfig subprocess after MPI_Init)
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
