@@ -60,7 +60,7 @@ def run_probes(cfg, steps: int) -> dict[str, float]:
     from hvd_rl.models import InferencePolicy, build_model
     from hvd_rl.algorithms.ppo import Batch, PPOLearner
     from hvd_rl.precision import precision_for
-    from hvd_rl.rollout import observation_storage
+    from hvd_rl.rollout import RolloutBuffer
 
     dist.init(cfg.distributed.mpi_yield_when_idle, cfg.distributed.cycle_time_ms)
     torch.set_num_threads(1)
@@ -88,8 +88,8 @@ def run_probes(cfg, steps: int) -> dict[str, float]:
 
     # inference: the collector's per-step work without the env
     frames = [rng.integers(0, 255, (n,) + obs_space.shape).astype(obs_space.dtype) for _ in range(4)]
-    dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
-    slots = observation_storage((cfg.ppo.num_steps, n), obs_space.shape, dtype, torch.device("cpu"))
+    buffer = RolloutBuffer(cfg.ppo.num_steps, n, obs_space, action_space, torch.device("cpu"))
+    slots = buffer.obs
     with torch.no_grad():
         for step in range(steps + 32):
             if step == 32:
@@ -102,7 +102,7 @@ def run_probes(cfg, steps: int) -> dict[str, float]:
 
     # learner: full PPO updates on a rollout-sized synthetic batch (first update is warm-up)
     size = cfg.local_batch_size
-    obs = observation_storage((size,), obs_space.shape, dtype, torch.device("cpu"))  # the rollout's layout
+    obs = buffer.obs.reshape((size,) + obs_space.shape)  # the rollout's frames, as rollout_batch sees them
     obs.copy_(torch.from_numpy(rng.integers(0, 255, (size,) + obs_space.shape).astype(obs_space.dtype)))
     batch = Batch(obs=obs, actions=torch.from_numpy(rng.integers(0, action_space.n, size)),
                   logprobs=torch.full((size,), -1.4), values=torch.zeros(size),
@@ -163,7 +163,7 @@ def read_run(run_dir: Path, warmup: int) -> dict:
             "phases_s": {k: statistics.mean(r[k] for r in measured) for k in PHASES},
             "collectives_per_iteration": statistics.mean(r["collectives"] for r in measured),
             "page_faults_per_rank_iteration": statistics.mean(
-                statistics.mean(r.get("page_faults_by_rank") or [0]) for r in measured),
+                statistics.mean(r["page_faults_by_rank"]) for r in measured),
             "precision": measured[-1]["precision"],
             "runtime_settings": summary["topology"].get("runtime_settings")}
 
