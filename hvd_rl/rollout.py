@@ -70,6 +70,16 @@ def observation_storage(leading: tuple[int, ...], obs_shape: tuple[int, ...], dt
         *range(n), n + 2, n, n + 1)
 
 
+def take_rows(storage: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """storage[index] (rows along the first dimension) as whole-row copies, in storage's memory
+    order. Advanced indexing copies a [N, C, H, W] batch element by element: ~3.5 ms for a
+    256-frame minibatch on one core, against ~0.2 ms for index_select over the rows as they lie
+    in memory (the same values; channels-last storage gives a channels-last batch)."""
+    if storage.dim() == 4 and storage.is_contiguous(memory_format=torch.channels_last):
+        return storage.permute(0, 2, 3, 1).index_select(0, index).permute(0, 3, 1, 2)
+    return storage.index_select(0, index)
+
+
 class RolloutCollector:
     def __init__(self, envs: RankEnvs, model: ActorCritic, buffer: RolloutBuffer, device: torch.device,
                  seeds: list[int], obs_normalizer: RunningNormalizer | None = None,

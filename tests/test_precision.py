@@ -7,7 +7,7 @@ import torch
 from hvd_rl.config import ModelConfig
 from hvd_rl.models import InferencePolicy, build_model
 from hvd_rl.precision import Precision, PrecisionError, cpu_has_native_bf16, resolve_amp
-from hvd_rl.rollout import observation_storage
+from hvd_rl.rollout import observation_storage, take_rows
 
 FRAMES = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
 
@@ -87,3 +87,22 @@ def test_channels_last_frame_storage_changes_no_number():
                 assert torch.equal(a, b)
             for a, b in zip(model(frames.reshape(16, 4, 84, 84)), model(stored.reshape(16, 4, 84, 84))):
                 assert torch.equal(a, b)
+
+
+def test_minibatch_rows_are_taken_as_whole_rows_with_the_same_numbers():
+    """take_rows (the learner's minibatch gather) gives exactly what advanced indexing gives, in
+    the storage's layout, for channels-last frames and for plain vectors."""
+    frames = torch.randint(0, 256, (16, 4, 84, 84), dtype=torch.uint8)
+    stored = observation_storage((16,), (4, 84, 84), torch.uint8, torch.device("cpu"))
+    stored.copy_(frames)
+    index = torch.tensor([9, 3, 3, 15, 0])
+    rows = take_rows(stored, index)
+    assert torch.equal(rows, frames[index])
+    assert rows.is_contiguous(memory_format=torch.channels_last)
+    model = _cnn("bf16")
+    with torch.no_grad():
+        for a, b in zip(model(rows), model(stored[index])):
+            assert torch.equal(a, b)
+    vectors = torch.randn(16, 3)
+    assert torch.equal(take_rows(vectors, index), vectors[index])
+    assert torch.equal(take_rows(vectors[:, 0], index), vectors[index, 0])

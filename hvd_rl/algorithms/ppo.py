@@ -37,7 +37,7 @@ from hvd_rl.envs import EnvLayout, RankEnvs
 from hvd_rl.models import build_model, model_signature
 from hvd_rl.normalize import ReturnScaler, RunningNormalizer
 from hvd_rl.precision import precision_for
-from hvd_rl.rollout import RolloutBuffer, RolloutCollector
+from hvd_rl.rollout import RolloutBuffer, RolloutCollector, take_rows
 
 
 # ---- GAE, minibatch layout, loss ----------------------------------------------------------------
@@ -232,7 +232,7 @@ class PPOLearner:
                 self.optimizer.zero_grad()
                 for part in torch.chunk(torch.arange(len(mb), device=self.device), micro):
                     idx = mb[part]
-                    policy, new_values = self.model(batch.obs[idx])
+                    policy, new_values = self.model(take_rows(batch.obs, idx))
                     new_logprobs, entropy = self.model.log_prob_entropy(policy, batch.actions[idx])
                     terms = ppo_loss(new_logprobs, entropy, new_values, batch.logprobs[idx],
                                      batch.values[idx], adv[part], batch.returns[idx], cfg)
