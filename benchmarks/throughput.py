@@ -50,27 +50,41 @@ PHASES = ("time_env", "time_inference", "time_update", "time_allreduce", "time_w
 
 # ---- probes: one process, one CPU, one thread ---------------------------------------------------
 
-def run_probes(cfg, steps: int) -> dict[str, float]:
-    import numpy as np
+def one_thread_rank(cfg):
+    """A rank's envs and model as the trainer sets them up for one compute thread on CPU: freed
+    memory kept (hvd_rl/heap.py), the configured env backend, the model at the configured
+    precision. Returns (envs, model)."""
     import torch
 
-    from hvd_rl import distributed as dist
-    from hvd_rl.envs import RankEnvs, env_seeds
+    from hvd_rl.envs import RankEnvs
     from hvd_rl.heap import retain_freed_memory
-    from hvd_rl.models import InferencePolicy, build_model
-    from hvd_rl.algorithms.ppo import Batch, PPOLearner
+    from hvd_rl.models import build_model
     from hvd_rl.precision import precision_for
-    from hvd_rl.rollout import RolloutBuffer
 
-    dist.init(cfg.distributed.mpi_yield_when_idle, cfg.distributed.cycle_time_ms)
     torch.set_num_threads(1)
-    if cfg.distributed.retain_freed_memory:  # the trainer's process setup (hvd_rl/heap.py)
+    if cfg.distributed.retain_freed_memory:
         retain_freed_memory()
     envs = RankEnvs(cfg.env, threads=1)
     obs_space, action_space = envs.single_observation_space, envs.single_action_space
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, obs_space, action_space)
     model.precision = precision_for(cfg.distributed.amp, torch.device("cpu"), len(obs_space.shape) == 3)
+    return envs, model
+
+
+def run_probes(cfg, steps: int) -> dict[str, float]:
+    import numpy as np
+    import torch
+
+    from hvd_rl import distributed as dist
+    from hvd_rl.envs import env_seeds
+    from hvd_rl.models import InferencePolicy
+    from hvd_rl.algorithms.ppo import Batch, PPOLearner
+    from hvd_rl.rollout import RolloutBuffer
+
+    dist.init(cfg.distributed.mpi_yield_when_idle, cfg.distributed.cycle_time_ms)
+    envs, model = one_thread_rank(cfg)
+    obs_space, action_space = envs.single_observation_space, envs.single_action_space
     policy = InferencePolicy(model)
     n = cfg.env.num_envs
 

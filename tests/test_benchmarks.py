@@ -44,3 +44,25 @@ def test_throughput_benchmark_machine_limit_and_ratios_are_consistent(tmp_path):
     assert "4 rounds from" in combined
     assert f"2 ranks / (2 x 1 rank)     {r['summary']['weak_scaling']:.2f}" in combined
     assert f"2 ranks / machine limit   {r['summary']['fraction_of_machine_limit']:.2f}" in combined
+
+
+def test_interleave_benchmark_times_every_layer_of_every_full_forward_pass(tmp_path):
+    out = tmp_path / "interleave.json"
+    text = check(run([PYTHON, REPO / "benchmarks" / "interleave.py", "--config", CARTPOLE, "--rounds", "2",
+                      "--skip", "8", "--out", out], timeout=300))
+    r = json.loads(out.read_text())
+    conditions = r["conditions"]
+    assert list(conditions) == ["back to back", "after spin", "after read", "after sleep", "in rollout"]
+    # CartPole's MLP agent: actor torso, critic torso, both heads (Flatten + Linear/Tanh layers)
+    layers = list(conditions["back to back"]["layers_ms"])
+    assert layers[0].startswith("input + torso.0") and layers[-1] == "outputs to fp32"
+    assert "critic (Linear)" in layers and "actor (Linear)" in layers
+    assert any(layer.startswith("critic_torso.") for layer in layers)
+    for condition in conditions.values():
+        # every full forward pass of 2 rounds x 128 steps, minus 8 warm-up passes per round; the
+        # rollout's value-only passes (the last observation's value) are not counted
+        assert condition["passes"] == 2 * (128 - 8)
+        assert list(condition["layers_ms"]) == layers
+        assert all(ms > 0 for ms in condition["layers_ms"].values()) and condition["forward_ms"] > 0
+    assert r["config"] == "configs/cartpole_ppo.toml" and str(REPO) not in out.read_text()
+    assert "vs back to back" in text and "in rollout" in text
