@@ -43,40 +43,36 @@ CONDITIONS = ("back to back", "after spin", "after read", "after sleep", "in rol
 
 
 class LayerClock:
-    """Per-layer wall times of the forward passes made while `active` (forward hooks)."""
+    """Per-layer wall times of `model`'s forward passes (forward hooks). Only full passes count:
+    `model.value()` (the rollout's last observation) runs the layers without the model's own
+    forward, so its layer hooks fire outside a pass and are ignored."""
 
     def __init__(self, model: torch.nn.Module):
-        self.active = False
-        self.marks: list[tuple[str, float]] = []
+        self.marks: list[tuple[str, float]] | None = None  # the pass in progress, else None
         self.passes: list[list[float]] = []
         self.layers: list[str] = []  # "name (type)" of each timed layer, in the order they run
-        self.timed = 0
+        model.register_forward_pre_hook(self._start)
+        model.register_forward_hook(self._end)
         for name, module in model.named_modules():
             if not list(module.children()) and not isinstance(module, torch.nn.ReLU):
                 module.register_forward_hook(self._marker(f"{name} ({type(module).__name__})"))
-                self.timed += 1
+
+    def _start(self, *_) -> None:
+        self.marks = [("start", time.perf_counter())]
 
     def _marker(self, label: str):
         def mark(*_) -> None:
-            if self.active:
+            if self.marks is not None:
                 self.marks.append((label, time.perf_counter()))
         return mark
 
-    def wrap(self, call):
-        """`call` (the inference policy's forward) timed: start, each layer's end, the end."""
-        def timed(obs):
-            self.marks = [("start", time.perf_counter())]
-            self.active = True
-            out = call(obs)
-            self.active = False
-            self.marks.append(("end", time.perf_counter()))
-            order = [label for label, _ in self.marks[1:-1]]
-            if len(order) == self.timed:  # a full forward, not a value-only pass
-                self.layers = self.layers or order
-                assert order == self.layers, f"layers ran in a different order: {order}"
-                self.passes.append([t for _, t in self.marks])
-            return out
-        return timed
+    def _end(self, *_) -> None:
+        self.marks.append(("end", time.perf_counter()))
+        order = [label for label, _ in self.marks[1:-1]]
+        self.layers = self.layers or order
+        assert order == self.layers, f"layers ran in a different order: {order}"
+        self.passes.append([t for _, t in self.marks])
+        self.marks = None
 
     def take(self) -> np.ndarray:
         """[passes, layers + 1] seconds: each layer (with what runs between it and the previous
@@ -103,8 +99,6 @@ def measure(args) -> dict:
     buffer = RolloutBuffer(cfg.ppo.num_steps, n, obs_space, action_space, torch.device("cpu"))
     collector = RolloutCollector(envs, model, buffer, torch.device("cpu"), env_seeds(cfg.seed, 0, 0, n))
     clock = LayerClock(collector.policy.model)
-    forward = collector.policy.model.__call__
-    collector.policy.model = _Timed(collector.policy.model, clock.wrap(forward))
     frames = torch.from_numpy(np.ascontiguousarray(collector.next_obs))
     block = np.ones(8 << 20, dtype=np.uint8)
     gaps = {"back to back": lambda: None, "after spin": lambda: spin(GAP_S),
@@ -139,19 +133,6 @@ def measure(args) -> dict:
             "gap_ms": GAP_S * 1e3, "precision": model.precision.mode, "batch": n, "conditions": table,
             "machine": {"cpus": os.cpu_count(), "processor": platform.machine(),
                         "torch": torch.__version__}}
-
-
-class _Timed:
-    """The inference model with its forward pass timed; everything else passes through."""
-
-    def __init__(self, model: torch.nn.Module, call):
-        self._model, self._call = model, call
-
-    def __call__(self, obs):
-        return self._call(obs)
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
 
 
 def print_table(result: dict) -> None:
