@@ -6,14 +6,28 @@ and the settings lines tagged `# hvd-rl:<name>`, so users never hand-edit a temp
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import subprocess
+import tempfile
+import unicodedata
 from pathlib import Path
 
 TEMPLATES = {"cpu": "train_cpu.sbatch", "gpu": "train_gpu.sbatch", "sweep": "scaling_sweep.sbatch",
              "learning": "learning_array.sbatch"}
-_TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")
+_TIME = re.compile(r"(\d+-)?\d{1,3}(:\d{2}){0,2}")  # used with fullmatch: no trailing newline
+# What may reach an #SBATCH line. sbatch reads its options up to the first line that is not a
+# comment, so a newline in a value would end the header (the later directives silently dropped)
+# and start a line the batch shell runs. Names are also pieces of file names (slurm-%x-%j.out,
+# $RUN_ROOT/$SLURM_JOB_NAME-$SLURM_JOB_ID): no '/', no whitespace, nothing a shell would expand.
+_NAME = r"[A-Za-z0-9._+-]+"
+_SBATCH_VALUES = {
+    "job_name": (re.compile(r"[A-Za-z0-9._+,@:=-]+"), "letters, digits and . _ + , @ : = -"),
+    "partition": (re.compile(rf"{_NAME}(,{_NAME})*"), "names of letters, digits and . _ + -, separated by commas"),
+    "account": (re.compile(_NAME), "letters, digits and . _ + -"),
+}
+_RANK_LIST = re.compile(r"[0-9]+(\s+[0-9]+)*")  # ASCII digits only (str.isdigit takes '\u00b2')
 
 
 class SlurmRenderError(ValueError):
@@ -67,18 +81,39 @@ def _sbatch_lines(args: argparse.Namespace) -> dict[str, str | None]:
     return {k: (None if v is None else str(v)) for k, v in lines.items()}
 
 
+def _has_control(text: str) -> bool:
+    return any(unicodedata.category(c) in ("Cc", "Cf", "Cs", "Zl", "Zp") for c in text)
+
+
 def _check(args: argparse.Namespace) -> None:
+    # Every text that lands in the script (or names it): one line, no control characters. Shell
+    # lines quote what they take (shlex.quote); #SBATCH lines cannot quote, so they take only
+    # what SLURM itself accepts there.
+    for name in ("out", "job_name", "time", "partition", "account", "config", "run_root", "home",
+                 "ranks", "sweep_nodes", "plan", "launcher", "mode"):
+        value = getattr(args, name, None)
+        if value is not None and (not value.strip() or _has_control(value)):
+            what = "is empty" if not value.strip() else "contains a newline or control character"
+            raise SlurmRenderError(f"--{name.replace('_', '-')} {value!r} {what}")
+    for text in args.overrides:
+        if _has_control(text):
+            raise SlurmRenderError(f"--set {text!r} contains a newline or control character")
+    for name, (pattern, allowed) in _SBATCH_VALUES.items():
+        value = getattr(args, name, None)
+        if value is not None and not pattern.fullmatch(value):
+            raise SlurmRenderError(f"--{name.replace('_', '-')} {value!r} cannot go on an #SBATCH line: "
+                                   f"use {allowed}")
     for name in ("nodes", "ntasks_per_node", "cpus_per_task", "signal_seconds", "iterations"):
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise SlurmRenderError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.gpus_per_node is not None and args.gpus_per_node < 0:
         raise SlurmRenderError("--gpus-per-node must be >= 0")
-    if args.time is not None and not _TIME.match(args.time):
+    if args.time is not None and not _TIME.fullmatch(args.time):
         raise SlurmRenderError(f"--time {args.time!r} is not a SLURM time (HH:MM:SS or D-HH:MM:SS)")
     for name in ("ranks", "sweep_nodes"):
         value = getattr(args, name, None)
-        if value is not None and not all(v.isdigit() and int(v) > 0 for v in value.split()):
+        if value is not None and not (_RANK_LIST.fullmatch(value.strip()) and all(int(v) > 0 for v in value.split())):
             raise SlurmRenderError(f"--{name.replace('_', '-')} must be positive integers, got {value!r}")
     if args.ranks and args.sweep_nodes and len(args.ranks.split()) != len(args.sweep_nodes.split()):
         raise SlurmRenderError("--ranks and --sweep-nodes must have the same number of entries")
@@ -144,13 +179,13 @@ def render_from_args(args: argparse.Namespace) -> Path:
     if args.run_root:
         settings["run_root"] = shlex.quote(args.run_root)
     if args.launcher:
-        settings["launcher"] = args.launcher
+        settings["launcher"] = shlex.quote(args.launcher)
     if args.ranks:
-        settings["ranks"] = "(" + args.ranks + ")"
+        settings["ranks"] = "(" + " ".join(args.ranks.split()) + ")"  # checked: ASCII digits
     if args.sweep_nodes or args.ranks:
-        settings["sweep_nodes"] = "(" + (args.sweep_nodes or " ".join("1" for _ in args.ranks.split())) + ")"
+        settings["sweep_nodes"] = "(" + " ".join((args.sweep_nodes or " ".join("1" for _ in args.ranks.split())).split()) + ")"
     if args.mode:
-        settings["mode"] = args.mode
+        settings["mode"] = shlex.quote(args.mode)
     if args.iterations:
         settings["iterations"] = str(args.iterations)
     sbatch = _sbatch_lines(args)
@@ -166,11 +201,22 @@ def render_from_args(args: argparse.Namespace) -> Path:
         sbatch["nodes"] = sbatch["nodes"] or str(max(nodes))
         sbatch["ntasks-per-node"] = sbatch["ntasks-per-node"] or str(max(-(-r // n) for r, n in zip(ranks, nodes)))
     text = render(template.read_text(), sbatch, settings)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    out.chmod(0o755)
-    check = subprocess.run(["bash", "-n", str(out)], capture_output=True, text=True)
+    # Checked before anything is written: a refused script never replaces an earlier one.
+    check = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
     if check.returncode != 0:
-        raise SlurmRenderError(f"rendered script fails 'bash -n': {check.stderr.strip()}")
+        raise SlurmRenderError(f"rendered script fails 'bash -n': {' '.join(check.stderr.split())}")
+    out = Path(args.out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, out)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as exc:
+        raise SlurmRenderError(f"--out {str(out)!r}: cannot write the script ({exc.strerror or exc})") from None
     return out

@@ -54,6 +54,38 @@ def test_render_rejects_bad_options(tmp_path):
     assert not (tmp_path / "x.sbatch").exists()
 
 
+@pytest.mark.parametrize("option, value", [
+    ("--job-name", "x\nrm -rf ~"),  # an executable line, and the directives after it are dropped
+    ("--partition", "p\n#SBATCH --foo"),
+    ("--account", "proj 42"),
+    ("--job-name", "a$(id)"),
+    ("--job-name", "../x"),  # the run directory is $RUN_ROOT/$SLURM_JOB_NAME-$SLURM_JOB_ID
+    ("--time", "01:00:00\n"),
+    ("--config", "c.toml\nid"),
+    ("--set", "env.id=x\ntouch /tmp/pwned"),
+    ("--run-root", "runs\r"),
+    ("--ranks", "1\n2"),
+    ("--ranks", "\u00b2"),  # a digit to str.isdigit(), not to int()
+])
+def test_render_refuses_values_that_would_end_or_inject_a_directive(tmp_path, option, value):
+    out = tmp_path / "x.sbatch"
+    out.write_text("earlier\n")
+    result = run([BIN / "hvd-rl", "slurm", "render", "--template", "sweep", "--out", out, option, value], timeout=60)
+    assert result.returncode == 2, result.stdout
+    assert result.stdout.startswith("hvd-rl: error: " + option) and result.stdout.count("\n") == 1, result.stdout
+    assert out.read_text() == "earlier\n"  # nothing written over it
+
+
+def test_render_accepts_ordinary_names_and_quotes_shell_values(tmp_path):
+    script = render(tmp_path, "ok", "--job-name", "pong_v5.run-2", "--partition", "cpu,gpu-a100",
+                    "--account", "proj.42+x", "--config", "my configs/a'b.toml", "--run-root", "/scratch/$USER/runs")
+    text = script.read_text()
+    for line in ("#SBATCH --job-name=pong_v5.run-2", "#SBATCH --partition=cpu,gpu-a100",
+                 "#SBATCH --account=proj.42+x"):
+        assert line in text, line
+    assert "CONFIG='my configs/a'\"'\"'b.toml'" in text and "RUN_ROOT='/scratch/$USER/runs'" in text
+
+
 # ---- a real cluster ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
