@@ -50,27 +50,34 @@ class ActorCritic(nn.Module):
         if obs.dim() == 4:
             obs = obs.contiguous(memory_format=torch.channels_last)
         dtype = self.precision.dtype if self.precision.device_type == obs.device.type else None
-        x = obs.to(dtype or torch.float32)
+        x = obs.to(dtype or self.float_dtype)
         if self.input_scale == 1.0:
             return x
         return x.mul_(self.input_scale) if x.data_ptr() != obs.data_ptr() else x * self.input_scale
 
+    @property
+    def float_dtype(self) -> torch.dtype:
+        """fp32, or float64 for a network made double (the exactness tests compare N ranks with
+        one process in float64, where no CPU's kernel order can tell them apart). Outputs and
+        the fp32 path's inputs take this dtype; a bf16 inference copy still outputs fp32."""
+        return torch.promote_types(next(self.parameters()).dtype, torch.float32)
+
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (logits or Gaussian mean, value) in fp32. `obs` may be uint8 frames; scaling
-        happens here, on the device."""
+        """Returns (logits or Gaussian mean, value) in fp32 (see float_dtype). `obs` may be
+        uint8 frames; scaling happens here, on the device."""
         with self.precision.autocast():
             x = self._prepare(obs)
             hidden = self.torso(x)
             critic_hidden = hidden if self.critic_torso is None else self.critic_torso(x)
             policy, value = self.actor(hidden), self.critic(critic_hidden).squeeze(-1)
-        return policy.float(), value.float()
+        return policy.to(self.float_dtype), value.to(self.float_dtype)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         with self.precision.autocast():
             x = self._prepare(obs)
             hidden = self.torso(x) if self.critic_torso is None else self.critic_torso(x)
             value = self.critic(hidden).squeeze(-1)
-        return value.float()
+        return value.to(self.float_dtype)
 
     def log_prob_entropy(self, policy: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """log pi(a|s) and the entropy, per sample (summed over action dimensions)."""
@@ -78,7 +85,7 @@ class ActorCritic(nn.Module):
             log_probs = torch.log_softmax(policy, dim=-1)
             entropy = -(log_probs.exp() * log_probs).sum(-1)
             return log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), entropy
-        log_std = self.log_std.float().expand_as(policy)
+        log_std = self.log_std.to(policy.dtype).expand_as(policy)
         z = (actions - policy) * torch.exp(-log_std)
         log_prob = (-0.5 * z * z - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
         entropy = (0.5 + 0.5 * math.log(2 * math.pi) + log_std).sum(-1)
@@ -92,7 +99,7 @@ class ActorCritic(nn.Module):
             gumbel = -torch.log(-torch.log(torch.rand_like(log_probs).clamp_(min=1e-20)))
             actions = torch.argmax(log_probs + gumbel, dim=-1)
             return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        actions = policy + torch.exp(self.log_std.float()) * torch.randn_like(policy)
+        actions = policy + torch.exp(self.log_std.to(policy.dtype)) * torch.randn_like(policy)
         return actions, self.log_prob_entropy(policy, actions)[0]
 
     def mode(self, policy: torch.Tensor) -> torch.Tensor:
@@ -111,11 +118,12 @@ class QNetwork(nn.Module):
         self.precision = Precision("off", "cpu")
 
     _prepare = ActorCritic._prepare
+    float_dtype = ActorCritic.float_dtype
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         with self.precision.autocast():
             q = self.head(self.torso(self._prepare(obs)))
-        return q.float()
+        return q.to(self.float_dtype)
 
 
 class InferencePolicy:

@@ -1,7 +1,8 @@
 """Worker: PPO update on a fixed global rollout batch; each rank takes its slice of environments.
 
-usage: equivalence.py OUT.pt {mlp|cnn} {global|local} [compression] [backward_passes_per_step] [amp] [counts] [iterations]
+usage: equivalence.py OUT.pt {mlp|cnn} {global|local} [compression] [backward_passes_per_step] [amp] [counts] [iterations] [dtype]
 counts: environments per rank, e.g. "3,5" (uneven shares; the 1-process run takes their sum).
+dtype: float32 (default) or float64: network, batch, gradients, allreduce and Adam in float64.
 Rank 0 saves the updated parameters; the test compares 1 process with 2 ranks.
 """
 import sys
@@ -25,6 +26,7 @@ spec = [c for c in sys.argv[7].split(",") if c] if len(sys.argv) > 7 else []
 weighted = "unweighted" not in spec  # the control experiment: every rank weighted alike
 counts = [int(c) for c in spec if c.isdigit()] or None
 iterations = int(sys.argv[8]) if len(sys.argv) > 8 else 2
+dtype = getattr(torch, sys.argv[9]) if len(sys.argv) > 9 else torch.float32
 topo = dist.init()
 torch.set_num_threads(1)
 T = 16
@@ -38,6 +40,7 @@ else:
 action_space = gym.spaces.Discrete(4)
 
 torch.manual_seed(0)
+torch.set_default_dtype(dtype)  # the network is created in this dtype
 model = build_model(ModelConfig(kind="nature_cnn" if kind == "cnn" else "mlp"), obs_space, action_space)
 model.precision = Precision(amp, "cpu")
 cfg = PPOConfig(num_steps=T, num_minibatches=4, update_epochs=3, clip_coef=0.1, max_grad_norm=0.5,
@@ -54,13 +57,13 @@ rng = np.random.default_rng(123)
 if kind == "cnn":
     obs = torch.from_numpy(rng.integers(0, 256, (T, E_GLOBAL, 4, 84, 84), dtype=np.uint8))
 else:
-    obs = torch.from_numpy(rng.normal(size=(T, E_GLOBAL, 4)).astype(np.float32))
+    obs = torch.from_numpy(rng.normal(size=(T, E_GLOBAL, 4)).astype(np.float32)).to(dtype)
 actions = torch.from_numpy(rng.integers(0, 4, (T, E_GLOBAL)))
 with torch.no_grad():
     logits, values = model(obs.reshape((T * E_GLOBAL,) + obs.shape[2:]))
     logp = torch.log_softmax(logits, -1).gather(-1, actions.reshape(-1, 1)).reshape(T, E_GLOBAL)
     values = values.reshape(T, E_GLOBAL)
-advantages = torch.from_numpy(rng.normal(2.0, 3.0, (T, E_GLOBAL)).astype(np.float32))
+advantages = torch.from_numpy(rng.normal(2.0, 3.0, (T, E_GLOBAL)).astype(np.float32)).to(dtype)
 returns = values + advantages
 
 
