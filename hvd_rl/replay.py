@@ -109,6 +109,11 @@ class ReplayShard:
         return sum(min(ring.count, ring.capacity) for ring in self.envs)
 
     @property
+    def capacity(self) -> int:
+        """Transitions this shard holds when full (whole slots per environment)."""
+        return sum(ring.capacity for ring in self.envs)
+
+    @property
     def nbytes(self) -> int:
         return sum(ring.frames.nbytes + ring.obs_end.nbytes * 2 + ring.rewards.nbytes * 2
                    + (ring.actions.nbytes if ring.actions is not None else 0) for ring in self.envs)

@@ -74,7 +74,7 @@ def test_checkpointed_shard_round_trips():
     shard, history = _record("CartPole-v1", "sync", 2, 40, capacity=100)
     copy = ReplayShard(100, 2, (4,), np.float32, frame_stack=4)
     copy.load(shard.state())
-    assert len(copy) == len(shard) == 80
-    _check_exact(copy, history)
+    assert len(copy) == len(shard) == 80 and copy.capacity == 100
+    assert _check_exact(copy, history) == 80  # every stored transition, compared with what was played
     with pytest.raises(ValueError):
         ReplayShard(50, 2, (4,), np.float32, frame_stack=4).load(shard.state())
