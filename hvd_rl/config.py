@@ -390,6 +390,9 @@ def validate(cfg: TrainConfig) -> None:
         need(0.0 <= getattr(q, name) <= 1.0, f"dqn.{name} must be in [0, 1], got {getattr(q, name)}")
     need(q.learning_starts >= 0 and q.max_grad_norm >= 0 and q.apex_alpha >= 0,
          "dqn.learning_starts, dqn.max_grad_norm and dqn.apex_alpha must be >= 0")
+    need(q.learning_starts <= q.buffer_size,
+         f"dqn.learning_starts ({q.learning_starts}) must not exceed dqn.buffer_size ({q.buffer_size}): "
+         "the replay shards can never hold that many transitions, so learning would never start")
     need(d.reduction in ("average", "adasum"),
          f"distributed.reduction must be 'average' or 'adasum', got {d.reduction!r}")
     need(d.compression in ("none", "fp16"),

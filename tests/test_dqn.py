@@ -1,13 +1,25 @@
 """Distributed DQN with real ranks: learning, target sync at the same global step, replay ratio,
 replay shards through checkpoints, and a clear error for continuous actions."""
+import contextlib
 import json
+import math
+import os
+import stat
+import time
 
+import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 
 from conftest import (REPO, check, mpirun_cmd, read_jsonl, run, train_cmd)
-from hvd_rl.algorithms.dqn import crossings, linear_schedule
+from hvd_rl import distributed as dist
+from hvd_rl.algorithms.base import IterationContext
+from hvd_rl.algorithms.dqn import DQN as DQNAlgorithm, crossings, linear_schedule
 from hvd_rl.checkpoint import load_checkpoint
+from hvd_rl.config import ConfigError, ModelConfig, load_config, validate
+from hvd_rl.envs import EnvLayout
+from hvd_rl.models import build_model, build_q_network
 
 DQN = REPO / "configs" / "cartpole_dqn.toml"
 QUICK = ["logging.tensorboard=false", "dqn.steps_per_iteration=500", "dqn.learning_starts=200",
@@ -85,3 +97,102 @@ def test_cartpole_two_ranks_learns_within_500k_steps(tmp_path):
     returns = [g["return"] for g in games]
     best = max(sum(returns[i - 10:i]) / 10 for i in range(10, len(returns) + 1))
     assert best >= 475, f"best 10-game mean return {best}"
+
+
+# ---- issue 22: findings 2, 3, 4, 10 and 12 (DQN parts) -------------------------------------------
+
+class _SlowSyncOptimizer:
+    """Stands in for Horovod's DistributedOptimizer in one process: synchronize() waits `delay`
+    seconds, as a rank does for slower ranks' gradients."""
+
+    def __init__(self, base, delay):
+        self.base, self.delay = base, delay
+        self.state, self.param_groups = base.state, base.param_groups
+
+    def zero_grad(self):
+        self.base.zero_grad()
+
+    def synchronize(self):
+        time.sleep(self.delay)
+
+    def skip_synchronize(self):
+        return contextlib.nullcontext()
+
+    def step(self):
+        self.base.step()
+
+
+def _one_process_dqn(monkeypatch, world, *sets, delay=0.0):
+    """Rank 0 of a `world`-rank even layout (one env per rank), collectives faked in-process."""
+    monkeypatch.setattr(dist, "distributed_optimizer", lambda base, model, **kw: _SlowSyncOptimizer(base, delay))
+    monkeypatch.setattr(dist, "allreduce_sum_async", lambda values, name: np.asarray(values, dtype=np.float64))
+    monkeypatch.setattr(dist, "wait_sum", lambda handle: handle)
+    cfg = load_config(DQN, ["logging.tensorboard=false", "distributed.amp=off", *sets])
+    probe = gym.make(cfg.env.id)
+    algo = DQNAlgorithm(cfg, torch.device("cpu"), 1, probe.observation_space, probe.action_space)
+    probe.close()
+    layout = EnvLayout.even(world, 1)
+    algo.build_envs(layout, 0, [cfg.seed])
+    return cfg, algo, layout
+
+
+def _iterate(algo, layout, iteration, global_step):
+    env_steps = algo.rollout_length(10 ** 9, layout)
+    context = IterationContext(iteration=iteration, global_step=global_step, env_steps=env_steps,
+                               layout=layout, rank=0, world_size=layout.world_size,
+                               stop_requested=lambda: False)
+    return algo.iterate(context), global_step + env_steps * layout.total
+
+
+def test_learning_starts_when_shards_cap_below_learning_starts_and_metrics_count_what_was_drawn(monkeypatch):
+    """3 ranks share buffer 500 as 3 x 166 = 498 < learning_starts 500: learning must still start
+    (finding 2). Until then td_loss is NaN (null in metrics.jsonl) and not checked for finiteness;
+    samples_per_env_step counts the 3 x (32 // 3) = 30 samples drawn, not 32 (finding 10);
+    time_update leaves out the wait in synchronize(), which dist.CLOCK counts (finding 10)."""
+    delay = 0.2
+    cfg, algo, layout = _one_process_dqn(monkeypatch, 3, "dqn.buffer_size=500", "dqn.learning_starts=500",
+                                         "dqn.batch_size=32", "dqn.steps_per_iteration=300", delay=delay)
+    try:
+        first, step = _iterate(algo, layout, 1, 0)  # global steps 0 -> 300: filling
+        assert first.extra["updates"] == 0
+        assert math.isnan(first.metrics["td_loss"]) and math.isnan(first.metrics["q_values"])
+        assert first.finite == ()
+        clock_before = dist.CLOCK.seconds
+        second, step = _iterate(algo, layout, 2, step)  # 300 -> 600: learning from 500 on
+        updates = second.extra["updates"]
+        assert updates == crossings(498, 600, cfg.dqn.train_frequency) == 11
+        assert math.isfinite(second.metrics["td_loss"]) and second.finite == ("td_loss",)
+        assert second.extra["samples_per_env_step"] == pytest.approx(updates * 30 / 300)
+        waited = dist.CLOCK.seconds - clock_before
+        assert waited >= updates * delay
+        # before the fix: compute + waited
+        assert second.metrics["time_update"] < waited, (second.metrics["time_update"], waited)
+        algo.optimizer.delay = 0.0
+        third, step = _iterate(algo, layout, 3, step)
+        assert third.extra["updates"] == 30 and len(algo.replay) == algo.replay.capacity == 166
+    finally:
+        algo.close()
+
+
+def test_learning_starts_must_not_exceed_buffer_size():
+    with pytest.raises(ConfigError) as err:
+        validate(load_config(DQN, ["dqn.buffer_size=5000", "dqn.learning_starts=10000"]))
+    lines = [line for line in str(err.value).splitlines() if "dqn.learning_starts" in line]
+    assert len(lines) == 1 and "dqn.buffer_size" in lines[0], str(err.value)
+    validate(load_config(DQN, ["dqn.buffer_size=10000", "dqn.learning_starts=10000"]))  # equal is fine
+
+
+def test_three_ranks_learn_with_learning_starts_equal_to_buffer_size(tmp_path):
+    """Finding 2 with real ranks: on 3 ranks the shards hold 3 x 166 = 498 < 500 transitions."""
+    run_dir = tmp_path / "run"
+    check(run(mpirun_cmd(3, *train_cmd(run_dir, "logging.tensorboard=false", "dqn.buffer_size=500",
+                                        "dqn.learning_starts=500", "dqn.batch_size=32",
+                                        "dqn.steps_per_iteration=300", "dqn.total_timesteps=1500",
+                                        config=DQN)), timeout=240))
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["global_step"] for r in rows] == [300, 600, 900, 1200, 1500]
+    assert [r["updates"] for r in rows] == [0, 11, 30, 30, 30]  # before the fix: all 0
+    assert rows[0]["td_loss"] is None and rows[0]["q_values"] is None  # no update yet: null, not 0.0
+    assert all(math.isfinite(r["td_loss"]) and math.isfinite(r["q_values"]) for r in rows[1:])
+    assert rows[-1]["samples_per_env_step"] == pytest.approx(30 * 30 / 300)  # 3 ranks x 10 drawn
+    assert json.loads((run_dir / "summary.json").read_text())["parameters_identical"]

@@ -11,12 +11,18 @@ step, which every rank knows, so all ranks take the same decisions without talki
   `target_network_frequency`, at the same step on every rank;
 - epsilon anneals with the global step, or (Ape-X) each global environment i of N explores with
   its own fixed eps^(1 + alpha i / (N - 1)).
-Learning starts once `learning_starts` global steps of experience are in the shards, which also
-refills them after a resume that could not restore them (`dqn.checkpoint_replay = false`).
+Learning starts once `learning_starts` global steps have run and the shards hold
+`learning_starts` transitions over all ranks (each rank its share, capped at its shard's
+capacity: `buffer_size // world` may not divide evenly), which also refills them after a resume
+that could not restore them (`dqn.checkpoint_replay = false`). Every rank owns the same number
+of environments and the shards are started, refilled and restored together, so every rank's
+shard holds the same number of transitions and the start is decided alike on every rank.
+Until the first update, `td_loss` and `q_values` are NaN (null in metrics.jsonl).
 """
 from __future__ import annotations
 
 import copy
+import math
 import os
 import time
 from dataclasses import replace
@@ -74,6 +80,9 @@ class DQN(Algorithm):
         self.rng = np.random.default_rng(cfg.seed)
         self.env_epsilons: np.ndarray | None = None  # Ape-X: fixed per environment
         self.local_batch = q.batch_size
+        self.replay_capacity = q.buffer_size
+        self.learning_needs = q.learning_starts  # transitions in this rank's shard before learning
+        self.world_size = 1
 
     # ---- identity and state ----
 
@@ -149,6 +158,10 @@ class DQN(Algorithm):
         self.replay_capacity = max(q.buffer_size // layout.world_size, num_envs)
         self.replay = ReplayShard(self.replay_capacity, num_envs, tuple(space.shape), space.dtype,
                                   self.cfg.env.frame_stack)
+        # This rank's share of learning_starts, capped at what its shard can hold (3 ranks share
+        # 10000 as 3 x 3333): the same number on every rank (the layout is even).
+        self.learning_needs = min(math.ceil(q.learning_starts / layout.world_size), self.replay.capacity)
+        self.world_size = layout.world_size
         self.obs = self.envs.reset(seeds)
         self.replay.start(self.obs)
         self.rng = np.random.default_rng(seeds[0])
@@ -196,27 +209,35 @@ class DQN(Algorithm):
             before, step = step, step + total_envs
             times["inference"] += t1 - t0
             times["env"] += t2 - t1
-            if step >= q.learning_starts and len(self.replay) * context.world_size >= q.learning_starts:
+            if step >= q.learning_starts and len(self.replay) >= self.learning_needs:
                 for _ in range(crossings(before, step, q.train_frequency)):
                     t3 = clock()
+                    blocked = dist.CLOCK.seconds
                     loss, q_mean, stop_votes = self._update(context.iteration, context.stop_requested())
                     losses.append(loss)
                     q_values.append(q_mean)
                     updates += 1
-                    times["update"] += clock() - t3
+                    # compute only: the allreduce waits are in dist.CLOCK (time_allreduce/time_wait)
+                    times["update"] += clock() - t3 - (dist.CLOCK.seconds - blocked)
                     stop = stop or stop_votes  # rides along with the gradient allreduce
             if crossings(before, step, q.target_network_frequency):
                 self._update_target()
+        # No update this iteration (the shards are still filling): NaN, written as null, and not
+        # checked for finiteness. `updates` is the same on every rank (a function of the global
+        # step and of shard sizes that are equal everywhere), so is the `finite` tuple.
         return IterationReport(
-            metrics={"td_loss": float(np.mean(losses)) if losses else 0.0,
-                     "q_values": float(np.mean(q_values)) if q_values else 0.0,
+            metrics={"td_loss": float(np.mean(losses)) if losses else math.nan,
+                     "q_values": float(np.mean(q_values)) if q_values else math.nan,
                      "time_env": times["env"], "time_inference": times["inference"],
-                     "time_update": times["update"]},
+                     "time_update": max(0.0, times["update"])},
             sums={"replay_size": float(len(self.replay))},
-            episode_returns=returns, episode_lengths=lengths, stop_agreed=stop, finite=("td_loss",),
+            episode_returns=returns, episode_lengths=lengths, stop_agreed=stop,
+            finite=("td_loss",) if updates else (),
             extra={"epsilon": float(np.mean(self._epsilon(step))), "updates": updates,
                    "updates_per_env_step": updates / max(1, context.env_steps * total_envs),
-                   "samples_per_env_step": updates * q.batch_size / max(1, context.env_steps * total_envs),
+                   # what was drawn: each rank's share (batch_size // world) on every rank
+                   "samples_per_env_step": updates * self.local_batch * self.world_size
+                   / max(1, context.env_steps * total_envs),
                    "learning_rate": q.learning_rate, "precision": self.precision.mode})
 
     def _epsilon_greedy(self, observations: np.ndarray, epsilon: np.ndarray | float) -> np.ndarray:
