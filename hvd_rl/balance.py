@@ -12,6 +12,8 @@ Decisions are taken every `every` iterations from the median costs over that win
 the slowest rank's predicted busy time drops by more than `threshold` (hysteresis: no thrashing
 on noise), by rank 0 alone and broadcast, so every rank applies the same layout at the same
 iteration. `static` decides once, after the first window; `dynamic` keeps following the load.
+Whether a decision is due is a function of the iteration alone, so every rank enters the
+broadcast together (a flag set by the deciding rank only would send the others into it alone).
 """
 from __future__ import annotations
 
@@ -49,7 +51,6 @@ class Balancer:
     threshold: float = 0.05
     min_envs: int = 1
     _costs: list[np.ndarray] = field(default_factory=list)  # busy seconds per env, per rank
-    _decided: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -62,16 +63,16 @@ class Balancer:
         self._costs.append(np.asarray(busy_seconds, dtype=np.float64) / np.asarray(counts, dtype=np.float64))
 
     def due(self, iteration: int) -> bool:
-        """Every rank knows when a decision is due (it is a function of the iteration alone)."""
-        if not self.enabled or (self.mode == "static" and self._decided):
-            return False
-        return iteration % self.every == 0
+        """Every rank knows when a decision is due: static after the first window of the run
+        (a resumed run keeps the layout its checkpoint holds), dynamic after every window."""
+        if self.mode == "static":
+            return iteration == self.every
+        return self.mode == "dynamic" and iteration % self.every == 0
 
     def decide(self, counts: tuple[int, ...]) -> Decision | None:
         """The new layout, or None to keep the current one. Rank 0 calls it; others get the result."""
         window = self._costs[-self.every:]
         self._costs.clear()  # the next window measures the layout chosen now
-        self._decided = True
         if len(window) < self.every or any(len(c) != len(counts) for c in window):
             return None
         cost = np.median(np.stack(window), axis=0)

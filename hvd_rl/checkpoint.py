@@ -133,9 +133,10 @@ def prune(directory: Path, keep: int) -> None:
 
 
 def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
-    """Deletes temporary files a crashed writer left behind (rank 0, before a run starts)."""
+    """Deletes temporary files a crashed writer left behind (rank 0, before a run starts),
+    also under replay/ (DQN's replay shards: `.rank<r>.tmp.npz` of a crash mid-save)."""
     removed = []
-    for directory in (checkpoint_dir(run_dir), Path(run_dir)):
+    for directory in (checkpoint_dir(run_dir), Path(run_dir), Path(run_dir) / "replay"):
         if directory.is_dir():
             for path in directory.glob(".*.tmp*"):
                 if path.is_file() or path.is_symlink():

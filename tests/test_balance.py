@@ -42,12 +42,26 @@ def test_dynamic_balancer_moves_work_to_the_fast_rank_with_hysteresis():
 def test_static_balancer_decides_once_and_a_resize_restarts_measuring():
     b = Balancer("static", every=2)
     _feed(b, (4, 4), [1.0, 3.0], 2)
-    assert b.decide((4, 4)).counts == (6, 2)
+    assert b.due(2) and b.decide((4, 4)).counts == (6, 2)
     assert not b.due(4) and not b.due(6)
+    assert not Balancer("static", every=2).due(4)  # the same answer on a rank that never decided
     d = Balancer("dynamic", every=2)
     _feed(d, (4, 4), [1.0, 3.0], 1)
     _feed(d, (3, 3, 2), [1.0, 1.0, 1.0], 1)  # elastic resize: old measurements are dropped
     assert d.decide((3, 3, 2)) is None
+
+
+def test_static_balancing_runs_to_the_end_on_two_ranks(tmp_path):
+    """Every rank must agree when a decision is due: static mode decides once (after the first
+    window) and then no rank enters the decision's broadcast again (it hung at iteration 4)."""
+    run_dir = tmp_path / "run"
+    check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=1024", "distributed.balance=static",
+                                        "distributed.balance_every=2", "distributed.verify_every=1")), timeout=120))
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert rows[-1]["global_step"] == 1024 and len(rows) == 8 and all(r["parameters_identical"] for r in rows)
+    decisions = read_jsonl(run_dir / "balance.jsonl") if (run_dir / "balance.jsonl").exists() else []
+    assert all(d["iteration"] == 2 for d in decisions)
+    assert all(r["env_counts"] == rows[2]["env_counts"] for r in rows[2:])  # decided once, then kept
 
 
 def test_uneven_layout_trains_checkpoints_and_resumes(tmp_path):

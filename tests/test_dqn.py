@@ -196,3 +196,55 @@ def test_three_ranks_learn_with_learning_starts_equal_to_buffer_size(tmp_path):
     assert all(math.isfinite(r["td_loss"]) and math.isfinite(r["q_values"]) for r in rows[1:])
     assert rows[-1]["samples_per_env_step"] == pytest.approx(30 * 30 / 300)  # 3 ranks x 10 drawn
     assert json.loads((run_dir / "summary.json").read_text())["parameters_identical"]
+
+
+def test_a_damaged_replay_shard_is_refilled_on_every_rank_and_stale_temporaries_go(tmp_path):
+    """Finding 3: a truncated shard must not fail the resume (BadZipFile on one rank); every rank
+    discards and refills. Finding 12: a temporary shard left by a crash mid-save is removed."""
+    run_dir = tmp_path / "run"
+    sets = [*QUICK, "dqn.checkpoint_replay=true", "checkpoint.every=2"]
+    check(run(mpirun_cmd(2, *train_cmd(run_dir, *sets, "dqn.total_timesteps=1000", config=DQN)), timeout=240))
+    shard = run_dir / "replay" / "rank00001.npz"
+    os.truncate(shard, shard.stat().st_size // 2)
+    stale = run_dir / "replay" / ".rank00003.tmp.npz"
+    stale.write_bytes(b"half a shard")
+    out = check(run(mpirun_cmd(2, *train_cmd(run_dir, *sets, "dqn.total_timesteps=2000", config=DQN,
+                                              extra=("--resume", "auto"))), timeout=240))
+    assert "Traceback" not in out
+    assert "replay shards not restored: refilling before learning" in out
+    assert f"replay shard {shard} is unreadable" in out
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["global_step"] for r in rows] == [500, 1000, 1500, 2000]
+    assert rows[2]["updates"] == 31 and rows[3]["updates"] == 50  # refilled (200 steps), then learning
+    assert not stale.exists()
+    assert shard.exists() and np.load(shard)["iteration"] == 4  # rewritten whole at the final checkpoint
+
+
+def test_replay_shard_is_fsynced_before_the_rename_and_a_corrupt_one_is_not_restored(monkeypatch, tmp_path, capsys):
+    cfg, algo, layout = _one_process_dqn(monkeypatch, 1, "dqn.checkpoint_replay=true", "dqn.buffer_size=100",
+                                         "dqn.steps_per_iteration=50")
+    try:
+        _iterate(algo, layout, 1, 0)
+        events = []
+        real_fsync, real_replace = os.fsync, os.replace
+        monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.fstat(fd).st_mode)), real_fsync(fd)))
+        monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", None)), real_replace(a, b)))
+        algo.save_local(tmp_path, 1, 0)
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        monkeypatch.setattr(os, "replace", real_replace)
+        kinds = [(kind, None if mode is None else ("dir" if stat.S_ISDIR(mode) else "file"))
+                 for kind, mode in events]
+        assert kinds == [("fsync", "file"), ("replace", None), ("fsync", "dir")]
+        path = tmp_path / "replay" / "rank00000.npz"
+        assert algo.load_local(tmp_path, 1, 0)
+        data = bytearray(path.read_bytes())
+        middle = len(data) // 3
+        data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])  # inside a member
+        path.write_bytes(bytes(data))
+        assert not algo.load_local(tmp_path, 1, 0)
+        os.truncate(path, 100)
+        assert not algo.load_local(tmp_path, 1, 0)
+        assert f"replay shard {path} is unreadable" in capsys.readouterr().err
+        assert len(algo.replay) == 0
+    finally:
+        algo.close()

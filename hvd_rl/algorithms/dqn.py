@@ -37,6 +37,7 @@ from torch import nn
 
 from hvd_rl import distributed as dist
 from hvd_rl.algorithms.base import Algorithm, IterationContext, IterationReport, NonFiniteLossError, UnsupportedSetup
+from hvd_rl.checkpoint import warn
 from hvd_rl.config import TrainConfig
 from hvd_rl.envs import EnvLayout, RankEnvs
 from hvd_rl.models import build_q_network, model_signature
@@ -120,8 +121,16 @@ class DQN(Algorithm):
         directory.mkdir(parents=True, exist_ok=True)
         final = directory / f"rank{rank:05d}.npz"
         tmp = directory / f".rank{rank:05d}.tmp.npz"
-        np.savez(tmp, iteration=np.array(iteration), **self.replay.state())
+        with open(tmp, "wb") as f:
+            np.savez(f, iteration=np.array(iteration), **self.replay.state())
+            f.flush()
+            os.fsync(f.fileno())  # the data is down before the name points at it
         os.replace(tmp, final)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # and the rename too
+        finally:
+            os.close(fd)
 
     def load_local(self, run_dir: Path, iteration: int, rank: int) -> bool:
         """Restores this rank's shard if one was saved with the checkpoint being resumed."""
@@ -133,7 +142,10 @@ class DQN(Algorithm):
                 if int(data["iteration"]) != iteration:
                     return False
                 self.replay.load({k: data[k] for k in data.files if k != "iteration"})
-        except (OSError, ValueError, KeyError):
+        except Exception as exc:  # noqa: BLE001 - truncated/corrupted file (BadZipFile, zlib, EOF...)
+            # Reported as "not restored": the runtime's allreduce makes every rank refill.
+            warn(f"rank {rank}: replay shard {path} is unreadable ({type(exc).__name__}: {exc}); "
+                 "discarding it")
             self.discard_local()
             return False
         self.replay.start(self.obs)  # the rebuilt environments' first observations
