@@ -165,6 +165,7 @@ class Runtime:
         self._built_rank = -1  # the rank they were built for (an elastic reset can renumber)
         self._local_state_iteration: int | None = None  # resumed checkpoint, for Algorithm.load_local
         self._last_checkpoint_iteration = -1
+        self._summary_step: int | None = None  # global step of the run directory's summary.json
         self._start_time = time.time()
         self._start_step = 0
         self._remaining = RemainingTime()
@@ -181,7 +182,7 @@ class Runtime:
             except (OSError, CheckpointError) as exc:
                 error = str(exc)
         dist.agree_on_error(error, name="setup.run_dir")
-        info = dist.broadcast_object(self._resume_info(ckpt, ckpt_path), name="setup.resume_info")
+        info = dist.broadcast_object(self._resume_info(ckpt, ckpt_path, cfg), name="setup.resume_info")
 
         error = None
         if ckpt is not None:
@@ -198,12 +199,15 @@ class Runtime:
 
         progress.iteration, progress.global_step = info["iteration"], info["global_step"]
         progress.seed_offset = info["seed_offset"]
-        progress.env_counts = tuple(info["env_counts"] or ())
+        # The checkpoint's layout (the balancer's choice) survives a resume unless the user changed
+        # the layout settings since: then those decide (_wanted_layout).
+        progress.env_counts = () if info["layout_changed"] else tuple(info["env_counts"] or ())
         self._start_step = progress.global_step
         self._remaining.start(time.time(), progress.global_step)
         # From the broadcast info, never from rank 0's local view: every rank must take the same
         # branch in _finish (a resumed, already finished run must not checkpoint on one rank only).
         self._last_checkpoint_iteration = info["iteration"] if info["path"] else -1
+        self._summary_step = info["summary_step"]
         self._local_state_iteration = info["iteration"] if info["path"] else None
 
         rng_states, cuda_states = info["rng"], info["cuda_rng"]
@@ -213,7 +217,7 @@ class Runtime:
             if self.device.type == "cuda" and cuda_states and cuda_states[topo.rank] is not None:
                 torch.cuda.set_rng_state(cuda_states[topo.rank], self.device)
         if topo.rank == 0:
-            self._write_run_files(info)
+            self._write_run_files(info, self._wanted_layout(progress))
 
     def _prepare_run_dir(self) -> tuple[Path | None, dict | None]:
         run_dir = self.run_dir
@@ -240,17 +244,27 @@ class Runtime:
             path, state = Path(self.resume), load_checkpoint(self.resume)
         return path, state
 
-    @staticmethod
-    def _resume_info(ckpt: dict | None, path: Path | None) -> dict[str, Any]:
+    def _resume_info(self, ckpt: dict | None, path: Path | None, cfg: TrainConfig) -> dict[str, Any]:
+        """What every rank needs from rank 0's view of the run directory (broadcast)."""
+        summary_step = None
+        try:
+            summary_step = json.loads((self.run_dir / "summary.json").read_text())["global_step"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
         if ckpt is None:
             return {"iteration": 0, "global_step": 0, "seed_offset": 0, "rng": None, "cuda_rng": None,
-                    "path": None, "world_size": None, "env_counts": None}
+                    "path": None, "world_size": None, "env_counts": None, "layout_changed": False,
+                    "summary_step": summary_step}
+        saved = ckpt.get("config", {})
+        layout_changed = (saved.get("env", {}).get("num_envs") != cfg.env.num_envs
+                          or list(saved.get("distributed", {}).get("env_counts", [])) != list(cfg.distributed.env_counts))
         return {"iteration": int(ckpt["iteration"]), "global_step": int(ckpt["global_step"]),
                 "seed_offset": int(ckpt["seed_offset"]), "rng": ckpt["rng"].get("torch"),
                 "cuda_rng": ckpt["rng"].get("cuda"), "path": str(path),
-                "world_size": int(ckpt["world_size"]), "env_counts": list(ckpt["env_counts"])}
+                "world_size": int(ckpt["world_size"]), "env_counts": list(ckpt["env_counts"]),
+                "layout_changed": layout_changed, "summary_step": summary_step}
 
-    def _write_run_files(self, info: dict[str, Any]) -> None:
+    def _write_run_files(self, info: dict[str, Any], layout: EnvLayout) -> None:
         """Rank 0, once every check passed: only now are existing run files touched."""
         cfg, topo = self.cfg, dist.topology()
         # Rows and TensorBoard events of iterations after the checkpoint will be produced again.
@@ -277,12 +291,12 @@ class Runtime:
         if info["path"]:
             line = (f"resuming from {info['path']} at iteration {info['iteration']}, "
                     f"global step {info['global_step']}")
-            old_counts = info["env_counts"]
-            if info["world_size"] != topo.size or len(set(old_counts)) != 1 or old_counts[0] != cfg.env.num_envs:
+            old_counts, new_counts = info["env_counts"], list(layout.counts)
+            if old_counts != new_counts:
                 line += (f"; ranks {info['world_size']} -> {topo.size}, envs per rank "
-                         f"{_counts_text(old_counts)} -> {cfg.env.num_envs}")
-                old, new = (self.algorithm.global_batch(n) for n in (sum(old_counts), topo.size * cfg.env.num_envs))
-                if old is not None:
+                         f"{_counts_text(old_counts)} -> {_counts_text(new_counts)}")
+                old, new = (self.algorithm.global_batch(n) for n in (sum(old_counts), layout.total))
+                if old is not None and old != new:
                     line += f", global batch {old} -> {new}"
             self.logger.note(line)
 
@@ -370,7 +384,8 @@ class Runtime:
         wall = time.perf_counter() - t_start
         keys = list(report.metrics)
         means = dict(zip(keys, per_rank[:, :len(keys)].mean(axis=0).tolist()))
-        bad = [k for k in report.finite if not all(math.isfinite(v) for v in per_rank[:, keys.index(k)])]
+        bad = [k for k in report.finite
+               if not all(math.isfinite(v) for v in (per_rank[:, keys.index(k)] if k in means else [sums[k]]))]
         if bad:
             raise NonFiniteLossError(f"non-finite loss/gradient at iteration {iteration} ({', '.join(bad)}); "
                                      "stopping all ranks")
@@ -500,6 +515,8 @@ class Runtime:
             self._rebalance(progress, layout, record)
             commit()
             every = cfg.checkpoint.every
+            if stop and self._next_env_steps(progress, layout) <= 0:
+                return ran  # the last iteration: finishing (checkpoint, summary) is the checkpoint asked for
             if stop:
                 self._preempt(progress)
             if every and progress.iteration % every == 0:
@@ -528,7 +545,9 @@ class Runtime:
 
     def _finish(self, progress: Any, ran: bool) -> None:
         topo = dist.topology()
-        if not ran and self._start_step == progress.global_step and self._last_checkpoint_iteration == progress.iteration:
+        finished_before = self._summary_step == progress.global_step  # else summary.json is due
+        if (not ran and finished_before and self._start_step == progress.global_step
+                and self._last_checkpoint_iteration == progress.iteration):
             if topo.rank == 0:
                 left = self.cfg.total_timesteps - progress.global_step
                 extra = f" ({left} steps remain, less than one iteration of whole minibatches)" if left else ""

@@ -171,6 +171,51 @@ def test_stop_file_checkpoints_within_an_epoch_under_any_launcher(tmp_path):
     assert load_checkpoint(run_dir / "checkpoints" / "latest.pt")["iteration"] == rows[-1]["iteration"]
 
 
+def test_stop_request_in_the_last_iteration_finishes_the_run(tmp_path):
+    """A stop request that arrives during the last iteration: finishing is the checkpoint it
+    asks for, so the run ends completed (exit 0, summary.json, the final parameter check) instead
+    of exiting 75 into a requeue that would find nothing left to do and never write a summary."""
+    run_dir = tmp_path / "run"
+    proc = start(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=256", "ppo.update_epochs=400")))
+    wait_for_iterations(run_dir, 1, proc, timeout=120)
+    (run_dir / "stop.request").touch()
+    code, out = finish(proc, timeout=120)
+    assert code == 0, out[-3000:]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert rows[-1]["global_step"] == 256 and rows[-1]["epochs_run"] < 400  # the request was seen there
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == 256 and summary["parameters_identical"]
+    assert not (run_dir / "preempted.json").exists()
+
+
+def test_resume_of_a_finished_run_without_its_summary_writes_it(tmp_path):
+    """A run killed between its final checkpoint and summary.json: the rerun finds nothing left
+    to train but still runs the final parameter check and writes the summary."""
+    run_dir = tmp_path / "run"
+    check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=256")), timeout=120))
+    (run_dir / "summary.json").unlink()
+    out = check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=256",
+                                              extra=("--resume", "auto"))), timeout=120))
+    assert "run already complete" not in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == 256 and summary["parameters_identical"]
+    assert len(read_jsonl(run_dir / "metrics.jsonl")) == 2  # nothing trained twice
+
+
+def test_resume_with_more_envs_per_rank_uses_them(tmp_path):
+    """env.num_envs changed at resume (same rank count): the new count is used, not the
+    checkpoint's layout, and the log says so truthfully."""
+    run_dir = tmp_path / "run"
+    check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=256")), timeout=120))
+    quick4 = [s for s in QUICK if not s.startswith("env.num_envs")] + ["env.num_envs=4"]
+    out = check(run(mpirun_cmd(2, *train_cmd(run_dir, *quick4, "ppo.total_timesteps=768",
+                                              extra=("--resume", "auto"))), timeout=120))
+    assert "ranks 2 -> 2, envs per rank 2 -> 4, global batch 128 -> 256" in out
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["env_counts"] for r in rows] == [[2, 2], [2, 2], [4, 4], [4, 4]]
+    assert rows[-1]["global_step"] == 768
+
+
 def test_resume_two_ranks_onto_one_says_what_changed(tmp_path):
     run_dir = tmp_path / "run"
     check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=1024")), timeout=180))
