@@ -155,3 +155,17 @@ def test_categorical_log_prob_entropy_and_sampling_match_torch_distributions():
     many = torch.stack([model.sample(logits[:1])[0] for _ in range(20000)]).reshape(-1)
     freq = torch.bincount(many, minlength=5).double() / len(many)
     torch.testing.assert_close(freq, reference.probs[0].double(), atol=0.015, rtol=0)
+
+
+def test_logged_losses_weigh_ranks_by_their_samples():
+    """Uneven layouts: a rank with 3 of 4 environments holds 3/4 of the samples, so the logged
+    loss is the mean over all samples (2.5 here), not the plain mean of the ranks' means (2.0)."""
+    from hvd_rl.algorithms.ppo import LOSS_METRICS, PPO
+
+    ranks = [{"samples": 32.0, "loss": 1.0}, {"samples": 96.0, "loss": 3.0}]
+    sums = {"returns": 0.0, "returns_sq": 128.0, "residual": 0.0, "residual_sq": 64.0,
+            "samples": sum(r["samples"] for r in ranks)}
+    sums.update({name: sum(r["loss"] * r["samples"] for r in ranks) for name in LOSS_METRICS})
+    out = PPO.global_metrics(None, {"time_env": 0.1}, sums)
+    assert all(out[name] == pytest.approx(2.5) for name in LOSS_METRICS)
+    assert out["explained_variance"] == pytest.approx(0.5) and out["time_env"] == 0.1

@@ -59,7 +59,8 @@ class IterationReport:
 
     `metrics` values are averaged over ranks, `sums` summed; both must have the same keys in
     the same order on every rank. Keys starting with `time_` are seconds of this rank.
-    `finite` names the metrics that must be finite (a NaN/Inf in any rank stops all ranks).
+    `finite` names the metrics or sums that must be finite (a NaN/Inf in any rank stops all
+    ranks). A mean that must weigh ranks by their samples goes in `sums` as value x samples.
     """
 
     metrics: dict[str, float]

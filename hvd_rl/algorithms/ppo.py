@@ -299,6 +299,8 @@ class PPOLearner:
 
 # ---- the algorithm behind the runtime ----------------------------------------------------------
 
+LOSS_METRICS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "clipfrac")  # sample-weighted
+
 class PPO(Algorithm):
     name = "ppo"
     supports_uneven_layout = True
@@ -438,14 +440,15 @@ class PPO(Algorithm):
 
         returns, values = batch.returns.double(), batch.values.double()
         residual = returns - values
+        samples = float(returns.numel())
+        # Loss terms go in as sums over this rank's samples: ranks with more environments weigh
+        # more, so the logged loss is the mean over all samples, as one process would log it.
+        losses = {name: getattr(stats, name) * samples for name in LOSS_METRICS}
         return IterationReport(
-            metrics={"policy_loss": stats.policy_loss, "value_loss": stats.value_loss,
-                     "entropy": stats.entropy, "old_approx_kl": stats.old_approx_kl,
-                     "clipfrac": stats.clipfrac, "time_env": times.env, "time_inference": times.inference,
-                     "time_update": stats.time_update},
-            sums={"returns": float(returns.sum()), "returns_sq": float((returns ** 2).sum()),
+            metrics={"time_env": times.env, "time_inference": times.inference, "time_update": stats.time_update},
+            sums={**losses, "returns": float(returns.sum()), "returns_sq": float((returns ** 2).sum()),
                   "residual": float(residual.sum()), "residual_sq": float((residual ** 2).sum()),
-                  "samples": float(returns.numel())},
+                  "samples": samples},
             episode_returns=episodes.returns, episode_lengths=episodes.lengths,
             stop_agreed=stats.stop_requested, finite=("policy_loss", "value_loss"),
             extra={"approx_kl": stats.approx_kl, "learning_rate": lr, "epochs_run": stats.epochs_run,
@@ -454,6 +457,7 @@ class PPO(Algorithm):
     def global_metrics(self, means: dict[str, float], sums: dict[str, float]) -> dict[str, Any]:
         out = dict(means)
         n = sums["samples"]
+        out.update({name: sums[name] / n for name in LOSS_METRICS})
         var_y = sums["returns_sq"] / n - (sums["returns"] / n) ** 2
         var_res = sums["residual_sq"] / n - (sums["residual"] / n) ** 2
         out["explained_variance"] = float(1.0 - var_res / var_y) if var_y > 0 else None
