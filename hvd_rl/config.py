@@ -415,6 +415,21 @@ def validate(cfg: TrainConfig) -> None:
     need(all(c > 0 for c in d.env_counts), f"distributed.env_counts must be positive, got {d.env_counts}")
     if d.env_counts:
         need(cfg.algorithm == "ppo", "distributed.env_counts (uneven layouts) needs algorithm 'ppo'")
+        need(d.reduction == "average", "distributed.env_counts needs distributed.reduction = 'average' "
+             "(Adasum's result is not an average, so ranks cannot be weighted by their share)")
+    per_env = p.num_steps // p.num_minibatches if p.num_minibatches > 0 else 0
+    if (d.env_counts or d.balance != "off") and p.backward_passes_per_step > 1 and per_env > 0:
+        # Each rank's share of a minibatch (envs x steps per env) must split into whole micro-batches.
+        if d.balance != "off":
+            need(per_env % p.backward_passes_per_step == 0,
+                 f"distributed.balance may give a rank any number of environments, so ppo.num_steps / "
+                 f"ppo.num_minibatches ({per_env}) must be divisible by ppo.backward_passes_per_step "
+                 f"({p.backward_passes_per_step})")
+        else:
+            need(all(c * per_env % p.backward_passes_per_step == 0 for c in d.env_counts),
+                 f"every rank's minibatch share (distributed.env_counts x ppo.num_steps / ppo.num_minibatches = "
+                 f"{[c * per_env for c in d.env_counts]}) must be divisible by ppo.backward_passes_per_step "
+                 f"({p.backward_passes_per_step})")
     need(0 <= d.balance_threshold < 1, f"distributed.balance_threshold must be in [0, 1), got {d.balance_threshold}")
     need(1 <= d.balance_min_envs <= e.num_envs,
          f"distributed.balance_min_envs must be in [1, env.num_envs], got {d.balance_min_envs}")

@@ -77,3 +77,27 @@ def test_missing_config_file_is_one_clear_error(tmp_path):
     result = run([BIN / "hvd-rl", "train", "--config", tmp_path / "nope.toml"], timeout=60)
     assert result.returncode == 2
     assert "config file not found" in result.stdout and "Traceback" not in result.stdout
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # Adasum's result is not an average: a rank's share cannot weight its loss (finding 11).
+    (["distributed.env_counts=[1, 3]", "distributed.reduction=adasum", "ppo.max_grad_norm=0"],
+     "distributed.env_counts needs distributed.reduction = 'average'"),
+    # Uneven shares that do not split into whole micro-batches would leave no rollout length at
+    # all: the run would end "complete" at step 0 (finding 13).
+    (["distributed.env_counts=[1, 3]", "ppo.num_steps=32", "ppo.num_minibatches=4",
+      "ppo.backward_passes_per_step=16", "env.num_envs=4"], "every rank's minibatch share"),
+    (["distributed.balance=dynamic", "ppo.num_steps=32", "ppo.num_minibatches=4",
+      "ppo.backward_passes_per_step=16", "env.num_envs=4"], "distributed.balance may give a rank any number"),
+])
+def test_uneven_layouts_refuse_what_they_cannot_serve(overrides, message):
+    cfg = load_config(CARTPOLE, overrides)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+
+
+def test_uneven_layouts_accept_micro_batches_that_split():
+    validate(load_config(CARTPOLE, ["distributed.env_counts=[1, 3]", "ppo.num_steps=32", "ppo.num_minibatches=4",
+                                    "ppo.backward_passes_per_step=8", "env.num_envs=4"]))
+    validate(load_config(CARTPOLE, ["distributed.balance=dynamic", "ppo.num_steps=32", "ppo.num_minibatches=4",
+                                    "ppo.backward_passes_per_step=8", "env.num_envs=4"]))
