@@ -23,6 +23,6 @@ setup(
     packages=find_packages(include=["hvd_rl", "hvd_rl.*"]),
     python_requires=">=3.9",
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": ["pytest>=7", "pytest-timeout>=2"]},
+    extras_require={"test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6.80"]},  # hypothesis: tests/test_config_fuzz.py
     entry_points={"console_scripts": ["hvd-rl=hvd_rl.cli:main"]},
 )

@@ -6,7 +6,7 @@ Horovod, an environment or a network exists: one message, non-zero exit on every
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import tomllib
 import types
 import typing
@@ -17,6 +17,27 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A configuration problem the user must fix; the message lists every problem found."""
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    """Text from the user (values, keys, ids) as one printable line of bounded length."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else f"{text[:limit // 2]} ... {text[-limit // 2:]}"
+
+
+def _show(value: Any) -> str:
+    """A value in a message: repr'd, one line, a few hundred characters at most."""
+    return _one_line(repr(value), 120)
+
+
+def _problems_message(problems: list[str]) -> str:
+    problems = [_one_line(p) for p in problems]
+    if len(problems) == 1:
+        return f"invalid configuration: {problems[0]}"
+    return f"invalid configuration ({len(problems)} problems):\n  - " + "\n  - ".join(problems)
+
+
+_INT_RANGE = 2 ** 63  # every integer setting ends up in numpy/torch/C (int64)
 
 
 @dataclass
@@ -224,7 +245,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, str):
             value = [v for v in value.replace(",", " ").split() if v]
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
+            raise ConfigError(f"{where}: expected a list, got {_show(value)}")
         return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
         raise ConfigError(f"{where}: unsupported union type")  # pragma: no cover - not used
@@ -233,35 +254,48 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        raise ConfigError(f"{where}: expected true or false, got {_show(value)}")
     if tp is int:
         if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            raise ConfigError(f"{where}: expected an integer, got {_show(value)}")
+        number = None
         if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
+            number = value
+        elif isinstance(value, float) and value.is_integer():
+            number = int(value)
+        elif isinstance(value, str):
             try:
-                return int(value.replace("_", ""))
-            except ValueError:
+                number = int(value.replace("_", ""))
+            except ValueError:  # also: more digits than int() converts
                 pass
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{where}: expected an integer, got {_show(value)}")
+        if not -_INT_RANGE <= number < _INT_RANGE:
+            raise ConfigError(f"{where}: {_show(value)} is out of range (64-bit integers)")
+        return number
     if tp is float:
         if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+            raise ConfigError(f"{where}: expected a number, got {_show(value)}")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
+            except OverflowError:  # an integer beyond float's range
+                pass
+        elif isinstance(value, str):
+            try:
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{where}: expected a number, got {_show(value)}")
+        if not math.isfinite(number):  # no setting means anything with NaN; inf sleeps/waits forever
+            raise ConfigError(f"{where}: expected a finite number, got {_show(value)}")
+        return number
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
+        raise ConfigError(f"{where}: expected a string, got {_show(value)}")
     raise ConfigError(f"{where}: unsupported type {tp}")  # pragma: no cover
 
 
@@ -277,28 +311,30 @@ def _apply(cfg: TrainConfig, data: dict[str, Any], source: str) -> None:
             for sub, sub_value in value.items():
                 if sub not in types_:
                     raise ConfigError(
-                        f"{source}: unknown key '{key}.{sub}' (valid: {', '.join(sorted(types_))})"
+                        f"{source}: unknown key {_show(f'{key}.{sub}')} (valid: {', '.join(sorted(types_))})"
                     )
                 setattr(section, sub, _coerce(sub_value, types_[sub], f"{source}: {key}.{sub}"))
         elif key in top_types:
             setattr(cfg, key, _coerce(value, top_types[key], f"{source}: {key}"))
         else:
             valid = sorted(list(sections) + list(top_types))
-            raise ConfigError(f"{source}: unknown key '{key}' (valid: {', '.join(valid)})")
+            raise ConfigError(f"{source}: unknown key {_show(key)} (valid: {', '.join(valid)})")
 
 
 def parse_override(text: str) -> dict[str, Any]:
     """Turns 'section.key=value' into a nested dict; the value is parsed as TOML when it can be."""
     if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected section.key=value")
+        raise ConfigError(f"--set {_show(text)}: expected section.key=value")
     path, raw = text.split("=", 1)
     path = path.strip()
     if not path or any(not part for part in path.split(".")):
-        raise ConfigError(f"--set {text!r}: expected section.key=value")
+        raise ConfigError(f"--set {_show(text)}: expected section.key=value")
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
+        doc = tomllib.loads(f"v = {raw}")
+    except (ValueError, RecursionError):  # TOMLDecodeError; too many digits; nesting too deep
+        doc = {}
+    # One TOML value or else the text itself ('0.9\nseed = 3' is not 0.9 with the rest dropped).
+    value = doc["v"] if list(doc) == ["v"] else raw.strip()
     parts = path.split(".")
     nested: dict[str, Any] = {parts[-1]: value}
     for part in reversed(parts[:-1]):
@@ -319,7 +355,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: invalid TOML: {exc}") from None
         _apply(cfg, data, str(path))
     for text in overrides or []:
-        _apply(cfg, parse_override(text), f"--set {text}")
+        _apply(cfg, parse_override(text), f"--set {_show(text)}")
     return cfg
 
 
@@ -453,7 +489,7 @@ def validate(cfg: TrainConfig) -> None:
     if env_problem:
         problems.append(env_problem)
     if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+        raise ConfigError(_problems_message(problems))
 
 
 def dump_toml(data: dict[str, Any]) -> str:
@@ -465,7 +501,7 @@ def dump_toml(data: dict[str, Any]) -> str:
         if isinstance(value, (int, float)):
             return repr(value)
         if isinstance(value, str):
-            return json.dumps(value)
+            return toml_string(value)
         if isinstance(value, (list, tuple)):
             return "[" + ", ".join(fmt(v) for v in value) + "]"
         raise TypeError(f"cannot write {value!r} as TOML")
@@ -476,3 +512,13 @@ def dump_toml(data: dict[str, Any]) -> str:
             lines.append(f"\n[{key}]")
             lines.extend(f"{k} = {fmt(v)}" for k, v in value.items())
     return "\n".join(lines) + "\n"
+
+
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def toml_string(text: str) -> str:
+    """A TOML basic string holding exactly `text` (json.dumps writes characters beyond the BMP as
+    surrogate-pair escapes, which TOML refuses, and leaves DEL unescaped, which TOML forbids)."""
+    return '"' + "".join(_TOML_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
+                         for c in text) + '"'

@@ -78,7 +78,7 @@ def check_env_id(env_id: str, backend: str) -> str | None:
     register_ale()
     try:
         gym.spec(env_id)
-    except gym.error.Error as exc:
+    except (gym.error.Error, ValueError) as exc:  # ValueError: a version number too long for int()
         return f"env.id {env_id!r} is not a registered Gymnasium environment ({exc})"
     if backend == "ale_vector" and not is_atari(env_id):
         return f"env.backend 'ale_vector' needs an ALE environment, but {env_id!r} is not one"

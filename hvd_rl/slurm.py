@@ -81,6 +81,12 @@ def _sbatch_lines(args: argparse.Namespace) -> dict[str, str | None]:
     return {k: (None if v is None else str(v)) for k, v in lines.items()}
 
 
+def _show(text: str) -> str:
+    """A value in a message: repr'd (one printable line), a hundred-odd characters at most."""
+    text = repr(text)
+    return text if len(text) <= 120 else f"{text[:60]} ... {text[-50:]}"
+
+
 def _has_control(text: str) -> bool:
     return any(unicodedata.category(c) in ("Cc", "Cf", "Cs", "Zl", "Zp") for c in text)
 
@@ -94,14 +100,14 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and (not value.strip() or _has_control(value)):
             what = "is empty" if not value.strip() else "contains a newline or control character"
-            raise SlurmRenderError(f"--{name.replace('_', '-')} {value!r} {what}")
+            raise SlurmRenderError(f"--{name.replace('_', '-')} {_show(value)} {what}")
     for text in args.overrides:
         if _has_control(text):
-            raise SlurmRenderError(f"--set {text!r} contains a newline or control character")
+            raise SlurmRenderError(f"--set {_show(text)} contains a newline or control character")
     for name, (pattern, allowed) in _SBATCH_VALUES.items():
         value = getattr(args, name, None)
         if value is not None and not pattern.fullmatch(value):
-            raise SlurmRenderError(f"--{name.replace('_', '-')} {value!r} cannot go on an #SBATCH line: "
+            raise SlurmRenderError(f"--{name.replace('_', '-')} {_show(value)} cannot go on an #SBATCH line: "
                                    f"use {allowed}")
     for name in ("nodes", "ntasks_per_node", "cpus_per_task", "signal_seconds", "iterations"):
         value = getattr(args, name, None)
@@ -110,16 +116,16 @@ def _check(args: argparse.Namespace) -> None:
     if args.gpus_per_node is not None and args.gpus_per_node < 0:
         raise SlurmRenderError("--gpus-per-node must be >= 0")
     if args.time is not None and not _TIME.fullmatch(args.time):
-        raise SlurmRenderError(f"--time {args.time!r} is not a SLURM time (HH:MM:SS or D-HH:MM:SS)")
+        raise SlurmRenderError(f"--time {_show(args.time)} is not a SLURM time (HH:MM:SS or D-HH:MM:SS)")
     for name in ("ranks", "sweep_nodes"):
         value = getattr(args, name, None)
         if value is not None and not (_RANK_LIST.fullmatch(value.strip()) and all(int(v) > 0 for v in value.split())):
-            raise SlurmRenderError(f"--{name.replace('_', '-')} must be positive integers, got {value!r}")
+            raise SlurmRenderError(f"--{name.replace('_', '-')} must be positive integers, got {_show(value)}")
     if args.ranks and args.sweep_nodes and len(args.ranks.split()) != len(args.sweep_nodes.split()):
         raise SlurmRenderError("--ranks and --sweep-nodes must have the same number of entries")
     for text in args.overrides:
         if "=" not in text or not text.split("=", 1)[0].strip():
-            raise SlurmRenderError(f"--set {text!r}: expected section.key=value")
+            raise SlurmRenderError(f"--set {_show(text)}: expected section.key=value")
 
 
 def render(template_text: str, sbatch: dict[str, str | None], settings: dict[str, str]) -> str:
@@ -218,5 +224,5 @@ def render_from_args(args: argparse.Namespace) -> Path:
             os.unlink(tmp)
             raise
     except OSError as exc:
-        raise SlurmRenderError(f"--out {str(out)!r}: cannot write the script ({exc.strerror or exc})") from None
+        raise SlurmRenderError(f"--out {_show(str(out))}: cannot write the script ({exc.strerror or exc})") from None
     return out
