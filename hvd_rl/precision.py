@@ -16,6 +16,7 @@ would already differ from 1 by the rounding error and clipping would act on nois
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ContextManager
@@ -30,8 +31,13 @@ class PrecisionError(ValueError):
     """The requested precision cannot run on this device."""
 
 
+CPU_BF16_VAR = "HVD_RL_CPU_BF16"  # 1/0: overrides the detection (containers hiding CPU flags; tests)
+
+
 def cpu_has_native_bf16() -> bool:
     """True when this CPU computes bf16 matrix products in hardware (AVX512-BF16 or AMX)."""
+    if os.environ.get(CPU_BF16_VAR) in ("0", "1"):
+        return os.environ[CPU_BF16_VAR] == "1"
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -77,7 +83,17 @@ class Precision:
         Atari PPO iteration takes 16 steps, a DQN update is ~10 ms). fp32 keeps the for-loop kernel:
         with it N ranks reproduce 1 process to float rounding (2e-6 after 24 steps), while the
         fused kernel amplifies the ranks' different summation order (2e-3 on the same test)."""
-        return torch.optim.Adam(parameters, lr=lr, eps=eps, fused=True if self.dtype is not None else None)
+        return torch.optim.Adam(parameters, lr=lr, eps=eps, fused=self.adam_fused)
+
+    @property
+    def adam_fused(self) -> bool | None:
+        return True if self.dtype is not None else None
+
+    def keep_adam_kernel(self, optimizer: torch.optim.Optimizer) -> None:
+        """After loading an optimizer's state (a checkpoint from a run in another precision, an
+        elastic restore): its param groups came with that run's kernel choice; this run's stays."""
+        for group in optimizer.param_groups:
+            group["fused"] = self.adam_fused
 
     def grad_scaler(self) -> torch.amp.GradScaler | None:
         """fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none."""

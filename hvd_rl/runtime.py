@@ -172,9 +172,34 @@ class Runtime:
 
     # ---- setup (collective) -----------------------------------------------------------------
 
+    def _numerics(self) -> dict[str, Any]:
+        """What this rank chose from its own machine that changes the numbers it computes."""
+        return {"precision": getattr(self.algorithm, "precision_mode", "off"), "device": self.device.type,
+                "threads": self.threads}
+
+    def _agree_on_numerics(self) -> None:
+        """Collective: every rank must have chosen the same precision (hence Adam kernel), device
+        kind and thread count (float sums depend on it), or the replicas drift apart; a mixed
+        partition (CPU types, GPU and CPU nodes) is refused on every rank with one line."""
+        choices = dist.allgather_object(self._numerics(), name="setup.numerics")
+        fixes = {"precision": "distributed.amp = 'auto' follows each CPU's bf16 support: set 'bf16' or 'off'",
+                 "device": "set distributed.device", "threads": "set distributed.threads_per_rank"}
+        problems = []
+        for key, fix in fixes.items():
+            ranks_by_value: dict[Any, list[int]] = {}
+            for rank, choice in enumerate(choices):
+                ranks_by_value.setdefault(choice[key], []).append(rank)
+            if len(ranks_by_value) > 1:
+                seen = ", ".join(f"{value} on rank{'s' if len(r) > 1 else ''} {_ranks_text(r)}"
+                                 for value, r in ranks_by_value.items())
+                problems.append(f"{key} {seen} ({fix})")
+        if problems:
+            raise BadInput("ranks chose differently from their own machines: " + "; ".join(problems))
+
     def _setup(self, progress: Any) -> None:
         """Run directory, resume and initial broadcast; fills `progress`."""
         cfg, topo = self.cfg, dist.topology()
+        self._agree_on_numerics()
         ckpt, ckpt_path, error = None, None, None
         if topo.rank == 0:
             try:
@@ -262,7 +287,8 @@ class Runtime:
                 "seed_offset": int(ckpt["seed_offset"]), "rng": ckpt["rng"].get("torch"),
                 "cuda_rng": ckpt["rng"].get("cuda"), "path": str(path),
                 "world_size": int(ckpt["world_size"]), "env_counts": list(ckpt["env_counts"]),
-                "layout_changed": layout_changed, "summary_step": summary_step}
+                "layout_changed": layout_changed, "summary_step": summary_step,
+                "numerics": ckpt.get("numerics")}
 
     def _write_run_files(self, info: dict[str, Any], layout: EnvLayout) -> None:
         """Rank 0, once every check passed: only now are existing run files touched."""
@@ -298,6 +324,10 @@ class Runtime:
                 old, new = (self.algorithm.global_batch(n) for n in (sum(old_counts), layout.total))
                 if old is not None and old != new:
                     line += f", global batch {old} -> {new}"
+            saved, now = info["numerics"] or {}, self._numerics()
+            changed = [f"{key} {saved[key]} -> {now[key]}" for key in now if key in saved and saved[key] != now[key]]
+            if changed:  # allowed (the user changed a setting or the hardware), but said
+                line += f"; since the checkpoint: {', '.join(changed)} (the Adam kernel follows the precision)"
             self.logger.note(line)
 
     def _runtime_note(self) -> str:
@@ -470,7 +500,7 @@ class Runtime:
                 "env_counts": list(progress.env_counts), "config": self.cfg.to_dict(),
                 "signature": self.algorithm.signature(), "state": self.algorithm.state_dict(),
                 "lr_schedule": {"global_step": progress.global_step, "total_timesteps": self.cfg.total_timesteps},
-                "rng": {"torch": rng, "cuda": cuda_rng}, "saved_at": time.time(),
+                "rng": {"torch": rng, "cuda": cuda_rng}, "numerics": self._numerics(), "saved_at": time.time(),
             }
             path = save_checkpoint(self.run_dir, state, keep=self.cfg.checkpoint.keep)
             self._logger().note(f"checkpoint {path}")
@@ -624,8 +654,10 @@ class Runtime:
                 self._setup(state)  # the first start: every worker of the job takes part
                 state.setup_done = True
                 commit()
-            elif dist.topology().rank == 0:
-                self._logger().note(f"elastic reset: now {dist.world_size()} rank(s)")
+            else:
+                self._agree_on_numerics()  # a worker that joined decided on its own machine
+                if dist.topology().rank == 0:
+                    self._logger().note(f"elastic reset: now {dist.world_size()} rank(s)")
             ran = self._run(state, commit)
             self._finish(state, ran)
 
@@ -639,6 +671,17 @@ class Runtime:
         if self.logger is not None:
             self.logger.close()
             self.logger = None
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _counts_text(counts: list[int]) -> str:

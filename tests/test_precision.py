@@ -106,3 +106,44 @@ def test_minibatch_rows_are_taken_as_whole_rows_with_the_same_numbers():
     vectors = torch.randn(16, 3)
     assert torch.equal(take_rows(vectors, index), vectors[index])
     assert torch.equal(take_rows(vectors[:, 0], index), vectors[index, 0])
+
+
+def _atari_pong_two_ranks(run_dir, bf16_by_rank):
+    """mpirun MPMD: each rank its own environment, as on a partition mixing CPU types."""
+    from conftest import ATARI, train_cmd
+
+    cmd = train_cmd(run_dir, "logging.tensorboard=false", "env.num_envs=2", "ppo.num_steps=16",
+                    "ppo.total_timesteps=64", "distributed.amp=auto", config=ATARI)
+    launch = ["mpirun", "--oversubscribe", "--bind-to", "none"]
+    for rank, flag in enumerate(bf16_by_rank):
+        launch += (([":"] if rank else []) + ["-np", "1", "-x", f"HVD_RL_CPU_BF16={flag}", *cmd])
+    return launch
+
+
+def test_auto_precision_that_differs_between_ranks_is_refused_on_every_rank(tmp_path):
+    """amp = 'auto' is each rank's own decision (its CPU's bf16 support): ranks that decided
+    differently would run bf16 + fused Adam beside fp32 + for-loop Adam and drift apart."""
+    from conftest import run
+
+    result = run(_atari_pong_two_ranks(tmp_path / "run", ["1", "0"]), timeout=180)
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert "precision bf16 on rank 0, off on rank 1" in result.stdout and "Traceback" not in result.stdout
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_resume_in_another_precision_keeps_this_runs_adam_kernel(tmp_path):
+    """The checkpoint's optimizer state carries its run's kernel choice (fused for bf16); a
+    resume in fp32 must step with the for-loop kernel, and the log says what changed."""
+    from conftest import QUICK, check, run, train_cmd
+    from hvd_rl.checkpoint import load_checkpoint
+
+    run_dir = tmp_path / "run"
+    check(run(train_cmd(run_dir, *QUICK, "ppo.total_timesteps=128", "distributed.amp=bf16"), timeout=120))
+    groups = load_checkpoint(run_dir / "checkpoints" / "latest.pt")["state"]["optimizer"]["param_groups"]
+    assert all(g["fused"] for g in groups)
+    out = check(run(train_cmd(run_dir, *QUICK, "ppo.total_timesteps=256", "distributed.amp=off",
+                              extra=("--resume", "auto")), timeout=120))
+    assert "since the checkpoint: precision bf16 -> off" in out
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "latest.pt")
+    assert ckpt["global_step"] == 256 and ckpt["numerics"]["precision"] == "off"
+    assert all(not g["fused"] for g in ckpt["state"]["optimizer"]["param_groups"])

@@ -98,6 +98,7 @@ class DQN(Algorithm):
         self.q_network.load_state_dict(state["q_network"])
         self.target_network.load_state_dict(state["target_network"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.keep_adam_kernel(self.optimizer)
 
     def broadcast(self) -> None:
         has_state = dist.broadcast_object(len(self.optimizer.state) > 0, name="dqn.has_optimizer_state")

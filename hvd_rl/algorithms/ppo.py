@@ -341,6 +341,7 @@ class PPO(Algorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.keep_adam_kernel(self.optimizer)
         if self.learner.scaler is not None and state.get("scaler"):
             self.learner.scaler.load_state_dict(state["scaler"])
         if self.obs_normalizer is not None and state.get("obs_normalizer"):
