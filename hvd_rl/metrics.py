@@ -11,6 +11,8 @@ from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 EPISODES_FILE = "episodes.jsonl"  # one row per finished game: global_step, return, length
+ENV_SEEDS_FILE = "env_seeds.jsonl"  # one row per environment build: iteration before it, seeds by rank
+BALANCE_FILE = "balance.jsonl"  # one row per load-balancer decision: after which iteration, from, to
 CONSOLE_EXTRAS = (("approx_kl", "kl"), ("td_loss", "td loss"), ("epsilon", "eps"))  # when present
 
 
@@ -76,6 +78,12 @@ def truncate_metrics(run_dir: str | Path, last_iteration: int, last_global_step:
     episodes = Path(run_dir) / EPISODES_FILE
     if episodes.exists() and last_global_step is not None:
         _rewrite(episodes, [row for row in read_episodes(run_dir) if row.get("global_step", 0) <= last_global_step])
+    # A decision after the checkpoint's iteration is rolled back; so is a build after it (the build
+    # right after the checkpoint, at its iteration, happens again with the same seeds).
+    for name, keep in ((BALANCE_FILE, lambda i: i <= last_iteration), (ENV_SEEDS_FILE, lambda i: i < last_iteration)):
+        path = Path(run_dir) / name
+        if path.exists():
+            _rewrite(path, [row for row in read_jsonl(path) if keep(row.get("iteration", 0))])
 
 
 def format_duration(seconds: float) -> str:

@@ -45,7 +45,8 @@ from hvd_rl.checkpoint import (CheckpointError, check_compatible, find_resumable
 from hvd_rl.config import TrainConfig
 from hvd_rl.envs import EnvLayout, RankEnvs, env_seeds
 from hvd_rl.heap import page_faults, retain_freed_memory
-from hvd_rl.metrics import METRICS_FILE, MetricsLogger, RemainingTime, log_line, truncate_metrics
+from hvd_rl.metrics import (BALANCE_FILE, ENV_SEEDS_FILE, METRICS_FILE, MetricsLogger, RemainingTime, log_line,
+                            truncate_metrics)
 
 # Exit codes, identical on every rank (documented in the README and used by the SLURM templates).
 EXIT_OK = 0
@@ -376,7 +377,7 @@ class Runtime:
             self._local_state_iteration = None
         all_seeds = dist.allgather_object(seeds, name="envs.seeds")
         if topo.rank == 0:
-            with open(self.run_dir / "env_seeds.jsonl", "a") as f:
+            with open(self.run_dir / ENV_SEEDS_FILE, "a") as f:
                 f.write(json.dumps({"iteration": progress.iteration, "world_size": layout.world_size,
                                     "env_counts": list(layout.counts), "seeds_by_rank": all_seeds}) + "\n")
         progress.seed_offset += layout.total
@@ -569,7 +570,7 @@ class Runtime:
         if dist.topology().rank == 0:
             self._logger().note(f"rebalance after iteration {progress.iteration}: envs per rank "
                                 f"{_counts_text(list(layout.counts))} -> {_counts_text(list(counts))}; {reason}")
-            with open(self.run_dir / "balance.jsonl", "a") as f:
+            with open(self.run_dir / BALANCE_FILE, "a") as f:
                 f.write(json.dumps({"iteration": progress.iteration, "global_step": progress.global_step,
                                     "from": list(layout.counts), "to": list(counts), "reason": reason}) + "\n")
 

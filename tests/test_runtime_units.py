@@ -46,3 +46,22 @@ def test_remaining_time_follows_the_recent_pace():
         left = eta.update(now, step, 1_000_000)
     assert math.isclose(left, (1_000_000 - step) / 200)
     assert math.isnan(RemainingTime().update(5.0, 0, 100))  # no step done yet
+
+
+def test_resume_truncation_drops_rolled_back_decisions_and_environment_builds(tmp_path):
+    """Resuming from the checkpoint of iteration 6: decisions after it and builds from it on are
+    run again, so their rows go (balance.jsonl kept rows of iterations a resume rolled back)."""
+    import json
+
+    from hvd_rl.metrics import BALANCE_FILE, ENV_SEEDS_FILE, read_jsonl, truncate_metrics
+
+    def write(name, iterations):
+        (tmp_path / name).write_text("".join(json.dumps({"iteration": i}) + "\n" for i in iterations))
+
+    write("metrics.jsonl", range(1, 10))
+    write(BALANCE_FILE, [3, 6, 9])
+    write(ENV_SEEDS_FILE, [0, 3, 6, 9])  # the build at 6 came after the decision (and checkpoint) at 6
+    truncate_metrics(tmp_path, 6, 600)
+    assert [r["iteration"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 7))
+    assert [r["iteration"] for r in read_jsonl(tmp_path / BALANCE_FILE)] == [3, 6]
+    assert [r["iteration"] for r in read_jsonl(tmp_path / ENV_SEEDS_FILE)] == [0, 3]
