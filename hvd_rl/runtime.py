@@ -642,8 +642,10 @@ class Runtime:
                                 rng_restored=False, setup_done=False)
 
         def on_reset() -> None:
-            self._layout = None  # rank layout may have changed: rebuild environments
-            self.device = dist.select_device(dist.topology(), self.cfg.distributed.device)
+            # The rank layout may have changed: rebuild environments. The device stays: this
+            # process's networks, optimizer state and CUDA RNG live on it (re-selecting it from a
+            # new local rank moved the current device away from them).
+            self._layout = None
 
         state.register_reset_callbacks([on_reset])
 
