@@ -439,8 +439,10 @@ def validate(cfg: TrainConfig) -> None:
     need(d.cycle_time_ms >= 0, f"distributed.cycle_time_ms must be >= 0, got {d.cycle_time_ms}")
     if d.reduction == "adasum":
         # Horovod's Adasum optimizer steps on each rank's gradient inside the backward hooks.
-        need(p.max_grad_norm == 0, "distributed.reduction = 'adasum' cannot clip gradients (each rank "
-             "steps inside Horovod's backward hooks): set ppo.max_grad_norm = 0")
+        need(cfg.algorithm != "ppo" or p.max_grad_norm == 0, "distributed.reduction = 'adasum' cannot "
+             "clip gradients (each rank steps inside Horovod's backward hooks): set ppo.max_grad_norm = 0")
+        need(cfg.algorithm != "dqn" or q.max_grad_norm == 0, "distributed.reduction = 'adasum' cannot "
+             "clip gradients (each rank steps inside Horovod's backward hooks): set dqn.max_grad_norm = 0")
         need(d.amp != "fp16", "distributed.reduction = 'adasum' does not work with distributed.amp = "
              "'fp16' (loss scaling); use 'bf16' or 'off'")
     need(d.threads_per_rank >= 0, f"distributed.threads_per_rank must be >= 0, got {d.threads_per_rank}")

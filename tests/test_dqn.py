@@ -248,3 +248,22 @@ def test_replay_shard_is_fsynced_before_the_rename_and_a_corrupt_one_is_not_rest
         assert len(algo.replay) == 0
     finally:
         algo.close()
+
+
+def test_adasum_dqn_updates_and_keeps_parameters_identical(tmp_path):
+    """Finding 4: Horovod's Adasum optimizer has no skip_synchronize; DQN steps through it."""
+    run_dir = tmp_path / "run"
+    check(run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "distributed.reduction=adasum", "dqn.total_timesteps=1000",
+                                        "distributed.verify_every=1", config=DQN)), timeout=240))
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["updates"] for r in rows] == [31, 50]
+    assert all(math.isfinite(r["td_loss"]) for r in rows) and all(r["parameters_identical"] for r in rows)
+    assert json.loads((run_dir / "summary.json").read_text())["parameters_identical"]
+
+
+def test_adasum_with_dqn_clipping_is_refused_naming_the_dqn_field():
+    validate(load_config(DQN, ["distributed.reduction=adasum"]))  # ppo.max_grad_norm is not DQN's
+    with pytest.raises(ConfigError) as err:
+        validate(load_config(DQN, ["distributed.reduction=adasum", "dqn.max_grad_norm=10"]))
+    text = str(err.value)
+    assert text.count("max_grad_norm") == 1 and "set dqn.max_grad_norm = 0" in text and "ppo." not in text, text

@@ -75,6 +75,10 @@ class DQN(Algorithm):
         base = self.precision.adam(self.q_network.parameters(), lr=q.learning_rate, eps=q.adam_eps)
         self.optimizer = dist.distributed_optimizer(base, self.q_network, reduction=d.reduction,
                                                     compression=d.compression, backward_passes_per_step=1)
+        # Adasum: Horovod's optimizer steps on each rank's own gradient in the backward hooks and
+        # Adasum-combines the steps in `step()` (no synchronize/skip_synchronize, no clipping:
+        # validate() refuses dqn.max_grad_norm > 0 with it).
+        self.adasum = d.reduction == "adasum"
         self.envs: RankEnvs | None = None
         self.replay: ReplayShard | None = None
         self.obs: np.ndarray | None = None
@@ -280,6 +284,14 @@ class DQN(Algorithm):
         self.optimizer.zero_grad()
         loss.backward()
         control = dist.allreduce_sum_async([1.0 if stop_requested else 0.0], name="dqn.control")
+        if self.adasum:
+            t0 = time.perf_counter()
+            self.optimizer.step()  # combines the ranks' steps (Adasum), identical on every rank
+            dist.CLOCK.add(1, time.perf_counter() - t0)
+            # The combined parameters are identical on every rank, so is this decision.
+            if not all(torch.isfinite(p).all() for p in self.q_network.parameters()):
+                raise NonFiniteLossError(f"non-finite loss/gradient at iteration {iteration}; stopping all ranks")
+            return float(loss.detach()), float(values.detach().mean()), bool(dist.wait_sum(control)[0] > 0)
         t0 = time.perf_counter()
         self.optimizer.synchronize()
         dist.CLOCK.add(1, time.perf_counter() - t0)
