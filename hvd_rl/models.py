@@ -165,13 +165,16 @@ class InferencePolicy:
         return self.source.sample(policy)  # the Gaussian's log-std stays fp32
 
 
-def nature_cnn(in_channels: int) -> tuple[nn.Module, int]:
+def nature_cnn(in_channels: int, init: bool = True) -> tuple[nn.Module, int]:
+    """The Nature DQN torso. `init`: orthogonal weights and zero biases (CleanRL's PPO); False
+    keeps PyTorch's default init (CleanRL's dqn_atari)."""
+    wrap = layer_init if init else (lambda layer: layer)
     torso = nn.Sequential(
-        layer_init(nn.Conv2d(in_channels, 32, 8, stride=4)), nn.ReLU(),
-        layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
-        layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
+        wrap(nn.Conv2d(in_channels, 32, 8, stride=4)), nn.ReLU(),
+        wrap(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+        wrap(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
         nn.Flatten(),
-        layer_init(nn.Linear(64 * 7 * 7, 512)), nn.ReLU(),
+        wrap(nn.Linear(64 * 7 * 7, 512)), nn.ReLU(),
     )
     return torso, 512
 
@@ -210,7 +213,7 @@ def _torso(kind: str, obs_space: gym.Space, cfg: ModelConfig, **mlp_kwargs) -> t
             raise ModelError(f"model.kind 'nature_cnn' needs (C, 84, 84) image observations, but "
                              f"this environment's observations have shape {tuple(obs_space.shape)}; "
                              "use model.kind = 'mlp' or 'auto'")
-        torso, width = nature_cnn(obs_space.shape[0])
+        torso, width = nature_cnn(obs_space.shape[0], init=mlp_kwargs.get("init", True))
         # Weights stay contiguous (Horovod only reduces contiguous tensors); inputs go channels-last.
         return torso, width, 1.0 / 255.0
     torso, width = mlp(int(np.prod(obs_space.shape)), cfg.hidden_sizes, **mlp_kwargs)

@@ -267,3 +267,23 @@ def test_adasum_with_dqn_clipping_is_refused_naming_the_dqn_field():
         validate(load_config(DQN, ["distributed.reduction=adasum", "dqn.max_grad_norm=10"]))
     text = str(err.value)
     assert text.count("max_grad_norm") == 1 and "set dqn.max_grad_norm = 0" in text and "ppo." not in text, text
+
+
+def _orthogonal(weight):
+    w = weight.detach().flatten(1)
+    gram = w @ w.T if w.shape[0] <= w.shape[1] else w.T @ w
+    return torch.allclose(gram / gram.diagonal().mean(), torch.eye(len(gram)), atol=1e-4)
+
+
+def test_q_network_cnn_keeps_pytorch_default_init_and_ppo_keeps_orthogonal():
+    """Finding 12: CleanRL's dqn_atari uses PyTorch's default init; its PPO the orthogonal one."""
+    space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+    torch.manual_seed(0)
+    q = build_q_network(ModelConfig(kind="nature_cnn"), space, gym.spaces.Discrete(4))
+    torch.manual_seed(0)
+    reference = torch.nn.Conv2d(4, 32, 8, stride=4)
+    conv = q.torso[0]
+    assert torch.equal(conv.weight, reference.weight) and torch.equal(conv.bias, reference.bias)
+    assert not _orthogonal(conv.weight) and conv.bias.abs().sum() > 0
+    ppo = build_model(ModelConfig(kind="nature_cnn"), space, gym.spaces.Discrete(4))
+    assert _orthogonal(ppo.torso[0].weight) and ppo.torso[0].bias.abs().sum() == 0
