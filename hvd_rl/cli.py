@@ -95,22 +95,90 @@ def _load_train_config(args: argparse.Namespace):
 
 
 def _toml_string(text: str) -> str:
-    import json
+    from hvd_rl.config import toml_string  # json.dumps is not TOML beyond the BMP
 
-    return json.dumps(text)
+    return toml_string(text)
+
+
+# Each launcher's rank variable, and where the same launcher puts the number of ranks.
+_LAUNCHER_VARS = (("HOROVOD_RANK", ("HOROVOD_SIZE",)),
+                  ("OMPI_COMM_WORLD_RANK", ("OMPI_COMM_WORLD_SIZE",)),
+                  ("PMIX_RANK", ("OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")),
+                  ("PMI_RANK", ("PMI_SIZE",)),
+                  ("SLURM_PROCID", ("SLURM_STEP_NUM_TASKS",)))
+ERROR_WAIT_S = 30.0  # see _leave_it_to_rank_0; HVD_RL_ERROR_WAIT_S overrides it
+
+
+def _launcher_rank() -> tuple[str | None, int | None]:
+    """(this process's rank, the number of ranks) as the launcher set them; None where unset."""
+    import os
+
+    for rank_var, size_vars in _LAUNCHER_VARS:
+        if rank_var in os.environ:
+            size = next((os.environ[v] for v in size_vars if v in os.environ), "")
+            return os.environ[rank_var].strip(), int(size) if size.strip().isdigit() else None
+    return None, None
 
 
 def _rank_prefix() -> str:
+    rank, _ = _launcher_rank()
+    return "" if rank is None else f"[rank {rank}] "
+
+
+def _write_stderr(text: str) -> None:
+    """The text, ended by a newline, in one write: ranks that share a stream (mpirun, srun) do not
+    run into each other's lines, which two writes (print's text, then its newline) allowed."""
     import os
 
-    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if var in os.environ:
-            return f"[rank {os.environ[var]}] "
-    return ""
+    data = (text if text.endswith("\n") else text + "\n").encode("utf-8", "backslashreplace")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor
+        sys.stderr.write(data.decode("utf-8"))
+        sys.stderr.flush()
+        return
+    while data:
+        data = data[os.write(fd, data):]
 
 
-def error_exit(message: str, code: int) -> int:
-    print(f"{_rank_prefix()}hvd-rl: error: {message}", file=sys.stderr, flush=True)
+def _leave_it_to_rank_0(message: str, rank: str, code: int) -> None:
+    """A rank other than 0 with an error every rank has prints nothing, but must not exit before
+    rank 0 printed it: the launcher would end the job, rank 0 included, at the first exit. So it
+    waits until the launcher ends it (SIGTERM/SIGINT/SIGHUP: exit `code` at once) or ERROR_WAIT_S
+    have passed; then rank 0 is slow or the launcher does not end jobs, and it prints its own
+    copy, so that the message is never lost."""
+    import os
+    import signal
+    import time
+
+    def leave(_signum, _frame):
+        sys.stdout.flush()
+        os._exit(code)
+
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, leave)
+        wait = float(os.environ.get("HVD_RL_ERROR_WAIT_S", ERROR_WAIT_S))
+    except ValueError:  # not the main thread, or a bad HVD_RL_ERROR_WAIT_S
+        wait = ERROR_WAIT_S
+    time.sleep(max(0.0, wait))
+    _write_stderr(f"[rank {rank}] hvd-rl: error: {message}")
+
+
+def error_exit(message: str, code: int, agreed: bool = False) -> int:
+    """Prints `message` and returns `code`. `agreed`: every rank has this same error (a refused
+    configuration, a CollectiveError), so one copy is printed, by rank 0, naming the rank count;
+    every rank still returns `code`. A process without launcher variables prints as always."""
+    rank, size = _launcher_rank()
+    if agreed and size is not None and size > 1 and rank is not None:
+        if rank == "0":
+            _write_stderr(f"hvd-rl: error (all {size} ranks): {message}")
+        else:
+            _leave_it_to_rank_0(message, rank, code)
+        return code
+    _write_stderr(f"{_rank_prefix()}hvd-rl: error: {message}")
     return code
 
 
@@ -121,7 +189,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg = _load_train_config(args)  # before hvd.init: a bad config fails the same on every rank
     except ConfigError as exc:
-        return error_exit(str(exc), R.EXIT_BAD_INPUT)
+        return error_exit(str(exc), R.EXIT_BAD_INPUT, agreed=True)
     if args.check_config:
         print(cfg.to_toml(), end="")
         return 0
@@ -136,13 +204,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         # launch) are deterministic: every rank raises the same one and exits 2 on its own.
         runtime = R.Runtime(cfg, resume=args.resume)
         runtime.train_elastic() if args.elastic else runtime.train()
-    except (CollectiveError, CheckpointError, ConfigError, LaunchError, PrecisionError, ModelError,
-            UnsupportedSetup, R.BadInput) as exc:
+    except (CollectiveError, ConfigError, ModelError, UnsupportedSetup) as exc:
+        # The same on every rank (agreed through a collective, or decided by the config and the
+        # environment alone): printed once.
+        return error_exit(str(exc), R.EXIT_BAD_INPUT, agreed=True)
+    except (CheckpointError, LaunchError, PrecisionError, R.BadInput) as exc:
+        # May be one rank's own (its files, its device, its launch): each rank says its own.
         return error_exit(str(exc), R.EXIT_BAD_INPUT)
     except R.NonFiniteLossError as exc:
         return error_exit(str(exc), R.EXIT_NONFINITE)
     except R.Preempted as exc:
-        print(f"{_rank_prefix()}hvd-rl: {exc}", file=sys.stderr, flush=True)
+        _write_stderr(f"{_rank_prefix()}hvd-rl: {exc}")
         return R.preempted_exit_code()
     return R.EXIT_OK
 

@@ -3,7 +3,7 @@ import tomllib
 
 import pytest
 
-from conftest import ATARI, BIN, CARTPOLE, check, run
+from conftest import ATARI, BIN, CARTPOLE, check, mpirun_cmd, run
 from hvd_rl.config import ConfigError, TrainConfig, load_config, validate
 
 
@@ -101,3 +101,48 @@ def test_uneven_layouts_accept_micro_batches_that_split():
                                     "ppo.backward_passes_per_step=8", "env.num_envs=4"]))
     validate(load_config(CARTPOLE, ["distributed.balance=dynamic", "ppo.num_steps=32", "ppo.num_minibatches=4",
                                     "ppo.backward_passes_per_step=8", "env.num_envs=4"]))
+
+
+def test_refused_config_is_printed_once_for_all_ranks(tmp_path):
+    """2 real ranks: one copy of the message (rank 0's, naming the rank count), not one per rank,
+    every line ended; mpirun exits 2."""
+    run_dir = tmp_path / "run"
+    result = run(mpirun_cmd(2, BIN / "hvd-rl", "train", "--config", CARTPOLE, "--run-dir", run_dir,
+                            "--set", "ppo.gamma=2"), timeout=120)
+    assert result.returncode == 2, result.stdout
+    lines = [line for line in result.stdout.splitlines() if "hvd-rl" in line]
+    assert lines == ["hvd-rl: error (all 2 ranks): invalid configuration: ppo.gamma must be in [0, 1], got 2.0"], \
+        result.stdout
+    assert "Traceback" not in result.stdout and not run_dir.exists()
+
+
+def test_every_rank_exits_2_and_a_multi_line_message_stays_whole(tmp_path):
+    """Each rank's own exit code (a wrapper reports it, so mpirun ends nobody): rank 1 leaves the
+    message to rank 0, waits HVD_RL_ERROR_WAIT_S for the launcher to end the job, and since this
+    one does not, prints its own copy and exits 2 too. No line runs into another."""
+    wrapper = ['bash', '-c', '"$@"; echo "rank $OMPI_COMM_WORLD_RANK exited $?"', "wrapper"]
+    result = run(["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", "-x", "HVD_RL_ERROR_WAIT_S=2",
+                  *wrapper, BIN / "hvd-rl", "train", "--config", CARTPOLE, "--run-dir", tmp_path / "run",
+                  "--set", "ppo.gamma=2", "--set", "ppo.gae_lambda=-1"], timeout=120)
+    assert result.returncode == 0, result.stdout
+    out = result.stdout
+    assert "rank 0 exited 2" in out and "rank 1 exited 2" in out, out
+    with pytest.raises(ConfigError) as err:
+        validate(load_config(CARTPOLE, ["ppo.gamma=2", "ppo.gae_lambda=-1"]))
+    message = str(err.value)
+    assert message.startswith("invalid configuration (2 problems):"), message
+    assert out.count(f"hvd-rl: error (all 2 ranks): {message}\n") == 1, out
+    assert out.count(f"[rank 1] hvd-rl: error: {message}\n") == 1, out
+    assert out.index("hvd-rl: error (all 2 ranks)") < out.index("[rank 1] hvd-rl: error")
+
+
+@pytest.mark.parametrize("run_dir", ["runs/\U0001f680", "runs/a\"b\\c", "runs/del\x7f"])
+def test_run_dir_option_is_taken_verbatim(run_dir):
+    """--run-dir travels as a TOML string: json.dumps wrote '\\ud83d\\ude80' (not TOML), and the
+    run directory became the quoted escape text."""
+    import argparse
+
+    from hvd_rl.cli import _load_train_config
+
+    cfg = _load_train_config(argparse.Namespace(config=str(CARTPOLE), overrides=[], run_dir=run_dir))
+    assert cfg.run_dir == run_dir

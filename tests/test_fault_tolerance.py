@@ -294,8 +294,9 @@ def _assert_failed_cleanly(result, code, fragment, ranks=2):
     assert result.returncode == code, result.stdout[-3000:]
     assert fragment in result.stdout, result.stdout[-3000:]
     assert "Traceback" not in result.stdout
-    if ranks == 2:  # every rank stopped with the same message (not killed while waiting)
-        assert "[rank 0] hvd-rl: error:" in result.stdout or "[rank 1] hvd-rl: error:" in result.stdout
+    if ranks == 2:  # every rank stopped (not killed while waiting): one copy for all, or each its own
+        assert any(f in result.stdout for f in ("hvd-rl: error (all 2 ranks):", "[rank 0] hvd-rl: error:",
+                                                "[rank 1] hvd-rl: error:")), result.stdout[-3000:]
 
 
 @pytest.mark.parametrize("override, fragment", [
@@ -309,7 +310,8 @@ def test_bad_config_fails_on_every_rank_without_touching_disk(tmp_path, override
     start_time = time.time()
     result = run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, override)), timeout=120)
     _assert_failed_cleanly(result, BAD_INPUT, fragment)
-    assert result.stdout.count(fragment) == 2  # both ranks said it
+    # Every rank has the same message: printed once, by rank 0, for both (issue 22 finding 16).
+    assert result.stdout.count(fragment) == 1 and "hvd-rl: error (all 2 ranks):" in result.stdout, result.stdout
     assert not run_dir.exists()
     assert time.time() - start_time < 60
 
