@@ -8,7 +8,8 @@
 #   slurm/local_cluster.sh status
 #   slurm/local_cluster.sh stop
 #
-# Everything lives under $HVD_RL_SLURM_DIR (default /tmp/hvd_rl_slurm); the machine's own
+# Everything lives under $HVD_RL_SLURM_DIR (default /tmp/hvd_rl_slurm; created mode 700, and
+# refused if it is a symlink or someone else's or writable by others); the machine's own
 # /etc/slurm is not touched. Needs root (or passwordless sudo) to install and run the daemons.
 set -euo pipefail
 
@@ -85,8 +86,8 @@ stop_daemons() {
 }
 
 case "${1:-}" in
-  start) install_slurm_packages; write_config; start_daemons ;;
-  stop) stop_daemons ;;
+  start) ensure_state_dir "$STATE" HVD_RL_SLURM_DIR; install_slurm_packages; write_config; start_daemons ;;
+  stop) if [ -e "$STATE" ] || [ -L "$STATE" ]; then ensure_state_dir "$STATE" HVD_RL_SLURM_DIR; fi; stop_daemons ;;
   env) echo "export SLURM_CONF=$CONF" ;;
   status) SLURM_CONF="$CONF" sinfo; SLURM_CONF="$CONF" squeue ;;
   *) sed -n '2,15p' "$0"; exit 2 ;;

@@ -17,7 +17,8 @@
 #   slurm/sim_cluster.sh check                              # can namespaces be used here? (exit 3: no)
 #   slurm/sim_cluster.sh stop                               # everything goes; only the logs stay
 #
-# State, config and logs under $HVD_RL_SIMCLUSTER_DIR (default /tmp/hvd_rl_simcluster); addresses
+# State, config and logs under $HVD_RL_SIMCLUSTER_DIR (default /tmp/hvd_rl_simcluster; created mode
+# 700, and refused if it is a symlink or someone else's or writable by others); addresses
 # $HVD_RL_SIMCLUSTER_NET.0/24 (default 10.77.0: node K = .K, head = .100, this host = .254);
 # SLURM ports 6917 (slurmctld) and 6918 (slurmd), so slurm/local_cluster.sh can run beside it.
 # One simulated cluster per machine. Needs root. See slurm/README.md.
@@ -243,6 +244,7 @@ start() {
   [[ "$NET" =~ ^[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}$ ]] || die "HVD_RL_SIMCLUSTER_NET must be the first three octets of a /24, e.g. 10.77.0"
   local problem; problem="$(support_problem)"
   [ -z "$problem" ] || die "$problem"
+  ensure_state_dir "$STATE" HVD_RL_SIMCLUSTER_DIR
   refuse_foreign
   if running; then
     if up && [ "$(node_count)" = "$n" ]; then
@@ -412,7 +414,9 @@ EOF
 cmd="${1:-}"; [ $# -gt 0 ] && shift
 case "$cmd" in
   start) start "$@" ;;
-  stop) [ "$(id -u)" = 0 ] || die "needs root"; refuse_foreign; stop "$@" ;;
+  stop) [ "$(id -u)" = 0 ] || die "needs root"
+        if [ -e "$STATE" ] || [ -L "$STATE" ]; then ensure_state_dir "$STATE" HVD_RL_SIMCLUSTER_DIR; fi
+        refuse_foreign; stop "$@" ;;
   status) status ;;
   env) print_env ;;
   check) problem="$(support_problem)"; if [ -n "$problem" ]; then echo "$problem"; exit 3; fi; echo ok ;;

@@ -86,6 +86,69 @@ def test_render_accepts_ordinary_names_and_quotes_shell_values(tmp_path):
     assert "CONFIG='my configs/a'\"'\"'b.toml'" in text and "RUN_ROOT='/scratch/$USER/runs'" in text
 
 
+
+# ---- the cluster scripts' state directories (nothing started) ----------------------------------
+
+CLUSTER_SCRIPTS = {"local_cluster.sh": ("HVD_RL_SLURM_DIR", ["start"]),
+                   "sim_cluster.sh": ("HVD_RL_SIMCLUSTER_DIR", ["start", "2"])}
+
+
+def _unsafe_state_dir(tmp_path: Path, kind: str) -> Path:
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    state = tmp_path / "state"
+    if kind == "symlink":  # e.g. planted in /tmp by another user, pointing where root should not write
+        state.symlink_to(target)
+    elif kind == "not_a_directory":
+        state.write_text("x\n")
+    else:
+        state.mkdir(mode=0o700)
+        if kind == "other_owner":
+            os.chown(state, 65534, 65534)
+        else:
+            state.chmod(0o777 if kind == "world_writable" else 0o770)
+    return state
+
+
+@pytest.mark.parametrize("kind", ["symlink", "not_a_directory", "other_owner", "world_writable", "group_writable"])
+@pytest.mark.parametrize("script", sorted(CLUSTER_SCRIPTS))
+def test_cluster_scripts_refuse_an_unsafe_state_directory(tmp_path, script, kind):
+    """The root-run scripts keep state (slurm.conf, pid files, the daemons' spool) under a fixed
+    default path in the shared temp directory: one planted there must not be used."""
+    if os.geteuid() != 0:
+        pytest.skip("the cluster scripts start daemons as root; chown needs root")
+    if script == "sim_cluster.sh" and subprocess.run([str(REPO / "slurm" / script), "check"],
+                                                     capture_output=True).returncode != 0:
+        pytest.skip("no network namespaces here: sim_cluster.sh refuses before it looks at its state")
+    var, args = CLUSTER_SCRIPTS[script]
+    state = _unsafe_state_dir(tmp_path, kind)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    result = subprocess.run([str(REPO / "slurm" / script), *args], env={**os.environ, var: str(state)},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"{script.split('.')[0]}: refusing state directory {state}: "), result.stderr
+    assert var in result.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written, through the link or not
+
+
+def test_state_directory_is_created_private_and_an_existing_own_one_is_used(tmp_path):
+    def ensure(path: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", 'source "$0"; ensure_state_dir "$1" HVD_RL_X; echo ok',
+                               str(REPO / "slurm" / "cluster_common.sh"), str(path)],
+                              capture_output=True, text=True, timeout=30)
+
+    fresh = tmp_path / "a" / "b"
+    result = ensure(fresh)
+    assert result.returncode == 0 and result.stdout == "ok\n", result.stderr
+    assert fresh.is_dir() and (fresh.stat().st_mode & 0o777) == 0o700 and fresh.stat().st_uid == os.geteuid()
+    (fresh / "slurm.conf").write_text("kept\n")
+    fresh.chmod(0o755)  # readable by others is fine; writable is not
+    result = ensure(fresh)
+    assert result.returncode == 0 and result.stdout == "ok\n", result.stderr
+    assert (fresh / "slurm.conf").read_text() == "kept\n"
+
+
 # ---- a real cluster ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
