@@ -490,6 +490,7 @@ def validate(cfg: TrainConfig) -> None:
     env_problem = check_env_id(e.id, e.backend)
     if env_problem:
         problems.append(env_problem)
+    need(cfg.seed >= 0, f"seed must be >= 0 (NumPy's and Gymnasium's seeding refuse negative ones), got {cfg.seed}")
     if problems:
         raise ConfigError(_problems_message(problems))
 

@@ -146,3 +146,10 @@ def test_run_dir_option_is_taken_verbatim(run_dir):
 
     cfg = _load_train_config(argparse.Namespace(config=str(CARTPOLE), overrides=[], run_dir=run_dir))
     assert cfg.run_dir == run_dir
+
+
+def test_negative_seed_is_refused_before_any_rank_starts():
+    """It passed validate() and every rank died in np.random.SeedSequence with a traceback."""
+    with pytest.raises(ConfigError, match=r"^invalid configuration: seed must be >= 0 .*got -1$"):
+        validate(load_config(CARTPOLE, ["seed=-1"]))
+    validate(load_config(CARTPOLE, ["seed=0"]))
