@@ -90,7 +90,7 @@ def _load_train_config(args: argparse.Namespace):
     if getattr(args, "run_dir", None):
         overrides.append(f"run_dir={_toml_string(args.run_dir)}")
     cfg = load_config(args.config, overrides)
-    validate(cfg)
+    validate(cfg, world_size=_launcher_rank()[1])  # the launcher says the rank count before Horovod starts
     return cfg
 
 

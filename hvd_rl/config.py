@@ -6,6 +6,7 @@ Horovod, an environment or a network exists: one message, non-zero exit on every
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import tomllib
 import types
@@ -34,7 +35,7 @@ def _problems_message(problems: list[str]) -> str:
     problems = [_one_line(p) for p in problems]
     if len(problems) == 1:
         return f"invalid configuration: {problems[0]}"
-    return f"invalid configuration ({len(problems)} problems):\n  - " + "\n  - ".join(problems)
+    return f"invalid configuration ({len(problems)} problems): " + "; ".join(problems)
 
 
 _INT_RANGE = 2 ** 63  # every integer setting ends up in numpy/torch/C (int64)
@@ -227,11 +228,13 @@ class TrainConfig:
         return dump_toml(self.to_dict())
 
 
+@functools.cache  # the classes never change; resolving their hints costs ~1 ms a call
 def _section_classes() -> dict[str, type]:
     hints = typing.get_type_hints(TrainConfig)
     return {name: tp for name, tp in hints.items() if dataclasses.is_dataclass(tp)}
 
 
+@functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
@@ -371,8 +374,9 @@ AMP_MODES = ("off", "auto", "bf16", "fp16")  # see hvd_rl/precision.py
 MODEL_KINDS = ("auto", "nature_cnn", "mlp")
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Raises ConfigError listing every problem; checks the env id against the registry."""
+def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
+    """Raises ConfigError listing every problem; checks the env id against the registry.
+    `world_size`: the number of ranks, where the launcher says it before Horovod starts."""
     problems: list[str] = []
 
     def need(ok: bool, message: str) -> None:
@@ -445,6 +449,9 @@ def validate(cfg: TrainConfig) -> None:
              "clip gradients (each rank steps inside Horovod's backward hooks): set dqn.max_grad_norm = 0")
         need(d.amp != "fp16", "distributed.reduction = 'adasum' does not work with distributed.amp = "
              "'fp16' (loss scaling); use 'bf16' or 'off'")
+    if d.reduction == "adasum" and world_size is not None:
+        need(world_size & (world_size - 1) == 0, f"distributed.reduction = 'adasum' needs a power-of-2 "
+             f"number of ranks, got {world_size} (Horovod's CPU Adasum)")
     need(d.threads_per_rank >= 0, f"distributed.threads_per_rank must be >= 0, got {d.threads_per_rank}")
     need(d.verify_every >= 0, f"distributed.verify_every must be >= 0, got {d.verify_every}")
     need(d.balance in ("off", "static", "dynamic"),
@@ -483,6 +490,7 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.debug.nan_at_iteration >= 0, "debug.nan_at_iteration must be >= 0")
     need(cfg.debug.iteration_sleep >= 0, "debug.iteration_sleep must be >= 0")
     need(bool(cfg.run_dir.strip()), "run_dir must not be empty")
+    need(cfg.seed >= 0, f"seed must be >= 0 (NumPy's and Gymnasium's seeding refuse negative ones), got {cfg.seed}")
 
     # The env id last: it imports Gymnasium and ale-py, and only matters when the rest is sane.
     from hvd_rl.envs import check_env_id  # local import keeps config importable without gym
@@ -490,7 +498,6 @@ def validate(cfg: TrainConfig) -> None:
     env_problem = check_env_id(e.id, e.backend)
     if env_problem:
         problems.append(env_problem)
-    need(cfg.seed >= 0, f"seed must be >= 0 (NumPy's and Gymnasium's seeding refuse negative ones), got {cfg.seed}")
     if problems:
         raise ConfigError(_problems_message(problems))
 
