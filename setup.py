@@ -23,6 +23,7 @@ setup(
     packages=find_packages(include=["hvd_rl", "hvd_rl.*"]),
     python_requires=">=3.9",
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6.80"]},  # hypothesis: tests/test_config_fuzz.py
+    # hypothesis: tests/test_config_fuzz.py; allpairspy: tests/test_option_matrix.py
+    extras_require={"test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6.80", "allpairspy>=2.5"]},
     entry_points={"console_scripts": ["hvd-rl=hvd_rl.cli:main"]},
 )
