@@ -1,14 +1,15 @@
-"""Load balancing against a real straggler, static vs dynamic, measured in one run.
+"""Load balancing against a real straggler: off, static and dynamic, measured in one run.
 
     python benchmarks/balance.py --out benchmarks/results/balance
 
 Two ranks of the Atari preset (16 environments in all, 2048 env steps per iteration), launched as
 `make train` does (mpirun binds rank r to core r). Scenarios, each run with the load balancer off
-(every rank keeps 8 environments) and with `distributed.balance = dynamic`:
+(every rank keeps 8 environments), `distributed.balance = static` (one decision, after the first
+window) and `dynamic` (a decision after every window):
   straggler  a busy loop pinned to rank 1's core: rank 1 gets about half a core (a real CPU
              competitor, not a sleep in the trainer)
   balanced   nothing else running: the balancer must cost nothing
-The order of the runs rotates from round to round, so machine drift hits both modes alike. The
+The order of the runs rotates from round to round, so machine drift hits every mode alike. The
 report gives throughput (all iterations after the first, and after the balancer's last change),
 each rank's busy and waiting time, how many iterations the balancer needed, and per-rank plots
 of the imbalance before and after.
@@ -32,6 +33,8 @@ sys.path.insert(0, str(REPO))
 from hvd_rl.launch import mpi_env  # noqa: E402
 from hvd_rl.metrics import read_jsonl  # noqa: E402
 from hvd_rl.report import plot_rank_timeline  # noqa: E402
+
+MODES = ("off", "static", "dynamic")
 
 
 def start_straggler(cpu: int) -> subprocess.Popen:
@@ -88,7 +91,7 @@ def main() -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plan = [(s, m) for s in ("straggler", "balanced") for m in ("off", "dynamic")]
+    plan = [(s, m) for s in ("straggler", "balanced") for m in MODES]
     results: dict[str, list[dict]] = {f"{s}/{m}": [] for s, m in plan}
     with tempfile.TemporaryDirectory() as tmp:
         for index in range(args.rounds):
@@ -108,12 +111,16 @@ def main() -> int:
                     plot_rank_timeline(result["rows"], out / f"ranks-straggler-{mode}.png",
                                        f"Rank 1 on half a core, balance = {mode}")
 
-    def ratio(scenario: str, key: str) -> float:
-        return statistics.median(d[key] / s[key] for s, d in zip(results[f"{scenario}/off"], results[f"{scenario}/dynamic"]))
+    def ratio(scenario: str, mode: str, base: str, key: str = "sps") -> float:
+        """Median over rounds of mode / base, each round's pair measured side by side."""
+        return statistics.median(m[key] / b[key] for b, m in zip(results[f"{scenario}/{base}"],
+                                                                 results[f"{scenario}/{mode}"]))
 
-    summary = {"straggler_dynamic_over_static": ratio("straggler", "sps"),
-               "straggler_dynamic_over_static_settled": ratio("straggler", "sps_settled"),
-               "balanced_dynamic_over_static": ratio("balanced", "sps")}
+    summary = {f"{scenario}_{mode}_over_{base}{'_settled' if key == 'sps_settled' else ''}":
+               ratio(scenario, mode, base, key)
+               for scenario in ("straggler", "balanced") for mode, base in (("dynamic", "static"), ("dynamic", "off"),
+                                                                          ("static", "off"))
+               for key in (("sps", "sps_settled") if scenario == "straggler" else ("sps",))}
     lines = ["# Load balancing against a real straggler", "",
              f"2 ranks of `{args.config}` ({args.envs} envs per rank to start, 16 in all, 2048 env steps per "
              f"iteration), `mpirun -np 2 --oversubscribe` (rank r bound to core r), {args.iterations} "
@@ -136,18 +143,19 @@ def main() -> int:
         settled = ", ".join(str(r["settled_after_iteration"]) for r in runs)
         lines.append(f"| {scenario} | {mode} | {med(lambda r: r['sps']):.0f} | {med(lambda r: r['sps_settled']):.0f} | "
                      f"{counts} | {busy} | {wait} | {settled} |")
-    lines += ["", f"- straggler: dynamic / static throughput = **{summary['straggler_dynamic_over_static']:.2f}x** "
-              f"(settled {summary['straggler_dynamic_over_static_settled']:.2f}x)",
-              f"- balanced machine: dynamic / static = {summary['balanced_dynamic_over_static']:.2f}x "
-              "(the balancer finds nothing to move)", "",
-              "![static](ranks-straggler-off.png)", "", "![dynamic](ranks-straggler-dynamic.png)", ""]
+    lines += [""] + [f"- {scenario}: {mode} / {base} = **{summary[f'{scenario}_{mode}_over_{base}']:.2f}x**"
+                     + (f" (settled {summary[f'{scenario}_{mode}_over_{base}_settled']:.2f}x)" if scenario == "straggler" else "")
+                     for scenario in ("straggler", "balanced")
+                     for mode, base in (("dynamic", "static"), ("dynamic", "off"), ("static", "off"))]
+    lines += ["", "![off](ranks-straggler-off.png)", "", "![static](ranks-straggler-static.png)", "",
+              "![dynamic](ranks-straggler-dynamic.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
     for runs in results.values():
         for r in runs:
             r.pop("rows")
     (out / "balance.json").write_text(json.dumps({"command": "python benchmarks/balance.py " + " ".join(sys.argv[1:]),
                                                   "summary": summary, "results": results}, indent=1) + "\n")
-    print("\n".join(lines[-7:-4]))
+    print("\n".join(line for line in lines if line.startswith("- ")))
     return 0
 
 
