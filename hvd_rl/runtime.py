@@ -282,8 +282,11 @@ class Runtime:
                     "path": None, "world_size": None, "env_counts": None, "layout_changed": False,
                     "summary_step": summary_step}
         saved = ckpt.get("config", {})
+        # An env_counts left out at resume is no change (the balancer's or the first run's layout
+        # stays); a different num_envs, or a different env_counts given, is.
         layout_changed = (saved.get("env", {}).get("num_envs") != cfg.env.num_envs
-                          or list(saved.get("distributed", {}).get("env_counts", [])) != list(cfg.distributed.env_counts))
+                          or bool(cfg.distributed.env_counts)
+                          and list(saved.get("distributed", {}).get("env_counts", [])) != list(cfg.distributed.env_counts))
         return {"iteration": int(ckpt["iteration"]), "global_step": int(ckpt["global_step"]),
                 "seed_offset": int(ckpt["seed_offset"]), "rng": ckpt["rng"].get("torch"),
                 "cuda_rng": ckpt["rng"].get("cuda"), "path": str(path),
