@@ -21,7 +21,7 @@ OPTIONS: dict[str, list] = {  # first value = the most permissive one
     "backward_passes_per_step": [1, 2],
     "start": ["fresh", "resume_ranks", "resume_envs"],
     "backend": ["sync", "async"],
-    "compression": ["none", "fp16"],
+    "compression": ["none", "fp16", "powersgd", "topk"],
     "amp": ["off", "bf16"],
 }
 NAMES = list(OPTIONS)

@@ -129,7 +129,10 @@ class DQNConfig:
 @dataclass
 class DistributedConfig:
     reduction: str = "average"  # average | adasum
-    compression: str = "none"  # none | fp16
+    # none | fp16 (Horovod's) | powersgd | topk (hvd_rl/compression.py: error feedback, for slow links)
+    compression: str = "none"
+    powersgd_rank: int = 4  # rank of PowerSGD's low-rank approximation
+    topk_ratio: float = 0.01  # fraction of the gradient entries top-k sends
     threads_per_rank: int = 0  # 0 = CPUs available to this rank / ranks sharing them
     device: str = "auto"  # auto | cpu | cuda  (cuda: one device per local rank)
     # off | auto | bf16 | fp16: autocast for rollout inference and learner alike (see precision.py);
@@ -371,6 +374,7 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
 BACKENDS = ("sync", "async", "ale_vector")
 ALGORITHMS = ("ppo", "dqn")
 AMP_MODES = ("off", "auto", "bf16", "fp16")  # see hvd_rl/precision.py
+COMPRESSIONS = ("none", "fp16", "powersgd", "topk")  # see hvd_rl/compression.py
 MODEL_KINDS = ("auto", "nature_cnn", "mlp")
 
 
@@ -435,8 +439,14 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
          "the replay shards can never hold that many transitions, so learning would never start")
     need(d.reduction in ("average", "adasum"),
          f"distributed.reduction must be 'average' or 'adasum', got {d.reduction!r}")
-    need(d.compression in ("none", "fp16"),
-         f"distributed.compression must be 'none' or 'fp16', got {d.compression!r}")
+    need(d.compression in COMPRESSIONS, f"distributed.compression must be one of {COMPRESSIONS}, got {d.compression!r}")
+    need(d.powersgd_rank >= 1, f"distributed.powersgd_rank must be >= 1, got {d.powersgd_rank}")
+    need(0 < d.topk_ratio <= 1, f"distributed.topk_ratio must be in (0, 1], got {d.topk_ratio}")
+    if d.compression in ("powersgd", "topk"):
+        need(d.reduction == "average", f"distributed.compression = {d.compression!r} needs distributed.reduction "
+             "= 'average' (Adasum combines whole gradients inside Horovod)")
+        need(d.amp != "fp16", f"distributed.compression = {d.compression!r} does not work with distributed.amp = "
+             "'fp16' (a step the loss scaler skips for overflow would leave inf in the residuals); use 'bf16' or 'off'")
     need(d.device in ("auto", "cpu", "cuda"),
          f"distributed.device must be 'auto', 'cpu' or 'cuda', got {d.device!r}")
     need(d.amp in AMP_MODES, f"distributed.amp must be one of {AMP_MODES}, got {d.amp!r}")

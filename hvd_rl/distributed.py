@@ -309,20 +309,44 @@ def broadcast_module(module: torch.nn.Module, name: str) -> None:
 
 
 def distributed_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
-                          reduction: str, compression: str,
-                          backward_passes_per_step: int) -> torch.optim.Optimizer:
+                          reduction: str, compression: str, backward_passes_per_step: int,
+                          powersgd_rank: int = 4, topk_ratio: float = 0.01, seed: int = 0) -> torch.optim.Optimizer:
     """Wraps the optimizer so gradients are averaged (or Adasum-combined) across ranks.
 
-    This is the one place where gradients are reduced. Allreduces are issued from backward hooks
-    as each gradient becomes ready and overlap the rest of the backward pass.
+    This is the one place where gradients are reduced, whichever algorithm asks. `none`/`fp16`:
+    Horovod's DistributedOptimizer, whose allreduces are issued from backward hooks as each
+    gradient becomes ready and overlap the rest of the backward pass. `powersgd`/`topk`
+    (hvd_rl/compression.py): gradients accumulate locally and are compressed and reduced at
+    `synchronize`. Either way every rank then holds the same gradient, and the algorithm calls
+    `synchronize()`, clips, and steps under `skip_synchronize()`.
     """
-    return hvd.DistributedOptimizer(
+    from hvd_rl import compression as C
+
+    if compression in ("powersgd", "topk"):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        compressor = C.PowerSGD(params, powersgd_rank, seed) if compression == "powersgd" else C.TopK(params, topk_ratio)
+        return C.compressing_optimizer(optimizer, compressor)
+    wrapped = hvd.DistributedOptimizer(
         optimizer,
         named_parameters=model.named_parameters(),
         compression=hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none,
         op=hvd.Adasum if reduction == "adasum" else hvd.Average,
         backward_passes_per_step=backward_passes_per_step,
     )
+    # Bytes handed to Horovod per reduction (fp16 halves them), counted where the reduction is
+    # awaited: synchronize (average) or step (Adasum reduces the parameter deltas inside it).
+    dense = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    per_reduction = dense // 2 if compression == "fp16" else dense
+    method = "step" if reduction == "adasum" else "synchronize"
+    original = getattr(wrapped, method)
+
+    def counted(*args, **kwargs):
+        C.CLOCK.bytes += per_reduction
+        C.CLOCK.dense_bytes += dense
+        return original(*args, **kwargs)
+
+    setattr(wrapped, method, counted)
+    return wrapped
 
 
 def broadcast_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -336,7 +360,13 @@ def broadcast_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     if has_optimizer_state:
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        # Ranks without state take a zero-gradient step first (Horovod's way to create it); a
+        # compressing optimizer must not reduce in it: only those ranks take it.
+        import contextlib
+
+        local_step = optimizer.skip_synchronize() if hasattr(optimizer, "compressor") else contextlib.nullcontext()
+        with local_step:
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     else:
         groups = broadcast_object([{k: v for k, v in g.items() if k != "params"}
                                    for g in optimizer.param_groups], name="setup.optimizer_hparams")

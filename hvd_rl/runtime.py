@@ -36,7 +36,7 @@ import numpy as np
 from horovod.common.elastic import ObjectState
 import torch
 
-from hvd_rl import __version__, distributed as dist, watchdog
+from hvd_rl import __version__, compression, distributed as dist, watchdog
 from hvd_rl.algorithms import build_algorithm
 from hvd_rl.algorithms.base import Algorithm, IterationContext, IterationReport, NonFiniteLossError
 from hvd_rl.balance import Balancer
@@ -173,6 +173,9 @@ class Runtime:
 
     # ---- setup (collective) -----------------------------------------------------------------
 
+    def _compressors(self) -> list[compression.Compressor]:
+        return compression.compressors_of(self.algorithm.distributed_optimizers())
+
     def _numerics(self) -> dict[str, Any]:
         """What this rank chose from its own machine that changes the numbers it computes."""
         return {"precision": getattr(self.algorithm, "precision_mode", "off"), "device": self.device.type,
@@ -222,6 +225,7 @@ class Runtime:
                 error = f"cannot resume from {ckpt_path}: {exc}"
         dist.agree_on_error(error, name="setup.checkpoint")
         self.algorithm.broadcast()
+        compression_note = compression.restore_states(self._compressors(), info.get("compression"))
 
         progress.iteration, progress.global_step = info["iteration"], info["global_step"]
         progress.seed_offset = info["seed_offset"]
@@ -244,6 +248,8 @@ class Runtime:
                 torch.cuda.set_rng_state(cuda_states[topo.rank], self.device)
         if topo.rank == 0:
             self._write_run_files(info, self._wanted_layout(progress))
+            if compression_note:
+                self._logger().note(compression_note)
 
     def _prepare_run_dir(self) -> tuple[Path | None, dict | None]:
         run_dir = self.run_dir
@@ -292,7 +298,7 @@ class Runtime:
                 "cuda_rng": ckpt["rng"].get("cuda"), "path": str(path),
                 "world_size": int(ckpt["world_size"]), "env_counts": list(ckpt["env_counts"]),
                 "layout_changed": layout_changed, "summary_step": summary_step,
-                "numerics": ckpt.get("numerics")}
+                "numerics": ckpt.get("numerics"), "compression": ckpt.get("compression")}
 
     def _write_run_files(self, info: dict[str, Any], layout: EnvLayout) -> None:
         """Rank 0, once every check passed: only now are existing run files touched."""
@@ -400,14 +406,21 @@ class Runtime:
         cpu_start = time.process_time()
         faults_start = page_faults()
         clock_before = (dist.CLOCK.count, dist.CLOCK.seconds)
+        compression_before = (compression.CLOCK.seconds, compression.CLOCK.bytes, compression.CLOCK.dense_bytes)
         context = IterationContext(iteration=iteration, global_step=progress.global_step,
                                    env_steps=env_steps, layout=layout, rank=topo.rank,
                                    world_size=topo.size, stop_requested=lambda: self.preemption.raised)
         report = self.algorithm.iterate(context)
-        blocked = dist.CLOCK.seconds - clock_before[1]
+        # Compression compute runs inside the gradient reduction, which the algorithm timed as
+        # blocked: it is this rank's work (time_compress), not communication or waiting.
+        compress = compression.CLOCK.seconds - compression_before[0]
+        sent = compression.CLOCK.bytes - compression_before[1]
+        dense = compression.CLOCK.dense_bytes - compression_before[2]
+        blocked = dist.CLOCK.seconds - clock_before[1] - compress
         cpu = time.process_time() - cpu_start
         faults = page_faults() - faults_start
-        per_rank, sums, episodes = self._gather(report, [blocked, cpu, faults], self.preemption.raised)
+        per_rank, sums, episodes = self._gather(report, [blocked, cpu, faults, compress, sent, dense],
+                                                self.preemption.raised)
         collectives = dist.CLOCK.count - clock_before[0]
         if cfg.debug.iteration_sleep:
             time.sleep(cfg.debug.iteration_sleep)
@@ -425,10 +438,11 @@ class Runtime:
                                      "stopping all ranks")
         # Time blocked in collectives: the fastest rank's is communication (it never waited for
         # anybody); what the others spent beyond that was waiting for slower ranks.
-        blocked_by_rank, cpu_by_rank, faults_by_rank = per_rank[:, -4], per_rank[:, -3], per_rank[:, -2]
+        blocked_by_rank, cpu_by_rank, faults_by_rank, compress_by_rank, sent_by_rank, dense_by_rank = (
+            per_rank[:, i] for i in range(-7, -1))
         comm = float(blocked_by_rank.min())
         waits = blocked_by_rank - comm
-        busy = per_rank[:, [i for i, k in enumerate(keys) if k.startswith("time_")]].sum(axis=1)
+        busy = per_rank[:, [i for i, k in enumerate(keys) if k.startswith("time_")]].sum(axis=1) + compress_by_rank
         local_steps = np.asarray(layout.counts, dtype=np.float64) * env_steps
         record: dict[str, Any] = {
             "iteration": iteration, "global_step": progress.global_step, "world_size": topo.size,
@@ -441,6 +455,10 @@ class Runtime:
         record.update(report.extra)
         record.update({
             "collectives": collectives, "time_allreduce": comm, "time_wait": float(waits.mean()),
+            # Gradient bytes each rank handed to the collectives (mean over ranks), the ratio to
+            # the uncompressed fp32 gradients of the same reductions, and the compression compute.
+            "comm_bytes": float(sent_by_rank.mean()), "time_compress": float(compress_by_rank.mean()),
+            "compression_ratio": float(dense_by_rank.sum() / sent_by_rank.sum()) if sent_by_rank.sum() else None,
             "time_iteration": wall, "env_counts": list(layout.counts),
             # Load monitoring, one value per rank: waiting at collectives, busy (compute) time,
             # speed (env steps per busy second) and CPU use (cores busy on average).
@@ -467,7 +485,8 @@ class Runtime:
         """ONE allgather per iteration: every rank's metrics, sums, finished games and stop flag.
 
         Rows are [kind, values...]: kind 0 holds a rank's [metrics..., sums..., runtime values
-        (blocked seconds, CPU seconds, page faults), stop] (ranks in order), kind 1 a finished game (return,
+        (blocked seconds, CPU seconds, page faults, compression seconds, gradient bytes sent and
+        uncompressed), stop] (ranks in order), kind 1 a finished game (return,
         length). Returns (per-rank [metrics..., runtime values..., stop] rows, summed sums,
         games [n, 2]).
         """
@@ -495,6 +514,7 @@ class Runtime:
         cuda_rng = dist.allgather_object(
             torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
             name="checkpoint.cuda_rng")
+        compression_states = compression.gather_states(self._compressors())
         topo = dist.topology()
         if topo.rank == 0:
             state = {
@@ -505,6 +525,7 @@ class Runtime:
                 "signature": self.algorithm.signature(), "state": self.algorithm.state_dict(),
                 "lr_schedule": {"global_step": progress.global_step, "total_timesteps": self.cfg.total_timesteps},
                 "rng": {"torch": rng, "cuda": cuda_rng}, "numerics": self._numerics(), "saved_at": time.time(),
+                "compression": compression_states,  # every rank's residuals (error feedback), PowerSGD's Q
             }
             path = save_checkpoint(self.run_dir, state, keep=self.cfg.checkpoint.keep)
             self._logger().note(f"checkpoint {path}")
@@ -718,4 +739,5 @@ class ElasticRunState(ObjectState):
 
     def sync(self) -> None:
         self._algorithm.broadcast()
+        compression.sync_after_reset(compression.compressors_of(self._algorithm.distributed_optimizers()))
         super().sync()

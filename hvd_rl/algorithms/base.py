@@ -103,6 +103,12 @@ class Algorithm(ABC):
         """Collective: every rank takes rank 0's networks, optimizer and statistics. Also how an
         elastic reset syncs a worker that just joined, so it must not assume a fresh start."""
 
+    def distributed_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers from `distributed_optimizer`: the runtime checkpoints and restores their
+        gradient-compression state (hvd_rl/compression.py). Default: `self.optimizer`."""
+        optimizer = getattr(self, "optimizer", None)
+        return [optimizer] if optimizer is not None else []
+
     @abstractmethod
     def parameters_module(self) -> torch.nn.Module:
         """The network whose parameters must be identical on every rank (checked, digested)."""

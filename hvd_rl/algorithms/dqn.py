@@ -74,7 +74,9 @@ class DQN(Algorithm):
         self.target_network.requires_grad_(False)
         base = self.precision.adam(self.q_network.parameters(), lr=q.learning_rate, eps=q.adam_eps)
         self.optimizer = dist.distributed_optimizer(base, self.q_network, reduction=d.reduction,
-                                                    compression=d.compression, backward_passes_per_step=1)
+                                                    compression=d.compression, backward_passes_per_step=1,
+                                                    powersgd_rank=d.powersgd_rank, topk_ratio=d.topk_ratio,
+                                                    seed=cfg.seed)
         # Adasum: Horovod's optimizer steps on each rank's own gradient in the backward hooks and
         # Adasum-combines the steps in `step()` (no synchronize/skip_synchronize, no clipping:
         # validate() refuses dqn.max_grad_norm > 0 with it).

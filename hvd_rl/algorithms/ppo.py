@@ -316,7 +316,8 @@ class PPO(Algorithm):
         base = self.precision.adam(self.model.parameters(), lr=p.learning_rate, eps=p.adam_eps)
         self.optimizer = dist.distributed_optimizer(
             base, self.model, reduction=d.reduction, compression=d.compression,
-            backward_passes_per_step=p.backward_passes_per_step)
+            backward_passes_per_step=p.backward_passes_per_step, powersgd_rank=d.powersgd_rank,
+            topk_ratio=d.topk_ratio, seed=cfg.seed)
         self.learner = PPOLearner(self.model, self.optimizer, p, cfg.seed, scaler=self.precision.grad_scaler(),
                                   device=device, adasum=d.reduction == "adasum")
         shape = tuple(observation_space.shape)
