@@ -1,0 +1,159 @@
+"""Gradient compression on slow links: weak scaling of the Atari preset on 2 simulated nodes.
+
+    sudo .venv/bin/python benchmarks/compression.py --out benchmarks/results/compression
+
+slurm/sim_cluster.sh starts 2 nodes (network namespaces, a slurmd each, MPI over TCP between
+them; `rate` shapes every node's link with tc tbf). For each link rate and each
+`distributed.compression`, one rank per node runs the Atari preset (`srun -N2 --mpi=pmix`, one CPU
+thread per rank, as the multi-node study did) and is compared with one rank alone on one node
+without compression, measured in the same round: weak-scaling efficiency = SPS(2 nodes) /
+(2 x SPS(1 rank)). Rounds rotate the order of the runs, so machine drift hits every setting alike;
+the table gives medians over rounds and the spread. The 2 nodes share this machine's 2 cores, so
+a 2-node run uses both: the efficiency includes what the hardware's own 2-core efficiency costs
+(benchmarks/results/throughput_*: ~0.96-0.98).
+
+Output: OUT/compression.json (rows with link, compression, round, efficiency, sps, comm_bytes,
+compression_ratio, time_compress, time_allreduce, time_wait, and the runs' settings) and
+OUT/compression.md (the table).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER = REPO / "slurm" / "sim_cluster.sh"
+BIN = REPO / ".venv" / "bin"
+LINKS = {"unlimited": "off", "1gbit": "1gbit", "100mbit": "100mbit"}
+COMPRESSIONS = ("none", "fp16", "topk", "powersgd")
+
+
+def cluster(*args: str, env: dict | None = None) -> str:
+    return subprocess.run([str(CLUSTER), *args], check=True, capture_output=True, text=True, env=env).stdout
+
+
+def cluster_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for line in cluster("env").splitlines():
+        if line.startswith("export "):
+            key, value = line[len("export "):].split("=", 1)
+            env[key] = value.replace("${PATH}", env.get("PATH", ""))
+    env.update({"PATH": f"{BIN}:{env['PATH']}", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+                "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def run_point(args, env: dict, run_dir: Path, nodes: int, compression: str) -> dict:
+    """One training run (1 warm-up + args.iterations measured iterations); its measured rows."""
+    per_iteration = nodes * args.envs * 128
+    sets = [f"env.num_envs={args.envs}", f"ppo.total_timesteps={(1 + args.iterations) * per_iteration}",
+            f"distributed.compression={compression}", f"distributed.powersgd_rank={args.powersgd_rank}",
+            f"distributed.topk_ratio={args.topk_ratio}", "distributed.threads_per_rank=1",
+            "checkpoint.every=0", "logging.tensorboard=false", "logging.console=false"]
+    cmd = ["srun", f"-N{nodes}", "--ntasks-per-node=1", "--cpus-per-task=1", "--mpi=pmix",
+           *(["-w", "node1"] if nodes == 1 else []), str(BIN / "hvd-rl"), "train",
+           "--config", args.config, "--run-dir", str(run_dir)]
+    for s in sets:
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{nodes} node(s), {compression}: exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    wall = sum(r["time_iteration"] for r in rows)
+    mean = lambda key: statistics.mean(r[key] for r in rows)  # noqa: E731
+    return {"sps": per_iteration * len(rows) / wall, "comm_bytes": mean("comm_bytes"),
+            "compression_ratio": mean("compression_ratio"), "time_compress": mean("time_compress"),
+            "time_allreduce": mean("time_allreduce"), "time_wait": mean("time_wait"),
+            "time_iteration": mean("time_iteration")}
+
+
+def table(rows: list[dict], links: list[str], compressions: list[str]) -> list[str]:
+    lines = ["| link | compression | weak-scaling efficiency (median) | range over rounds | SPS (2 nodes) | "
+             "MB sent per rank and iteration | compression ratio | compress s/iteration | allreduce s/iteration |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for link in links:
+        for compression in compressions:
+            mine = [r for r in rows if r["link"] == link and r["compression"] == compression]
+            if not mine:
+                continue
+            med = lambda key: statistics.median(r[key] for r in mine)  # noqa: E731
+            eff = [r["efficiency"] for r in mine]
+            lines.append(f"| {link} | {compression} | **{med('efficiency'):.2f}** | {min(eff):.2f}-{max(eff):.2f} | "
+                         f"{med('sps'):.0f} | {med('comm_bytes') / 2**20:.2f} | {med('compression_ratio'):.0f} | "
+                         f"{med('time_compress'):.3f} | {med('time_allreduce'):.3f} |")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--config", default="configs/atari_ppo.toml")
+    parser.add_argument("--links", nargs="+", default=list(LINKS), choices=list(LINKS))
+    parser.add_argument("--compressions", nargs="+", default=list(COMPRESSIONS), choices=list(COMPRESSIONS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=3, help="measured iterations per run (after 1 warm-up)")
+    parser.add_argument("--envs", type=int, default=8, help="environments per rank")
+    parser.add_argument("--powersgd-rank", type=int, default=4)
+    parser.add_argument("--topk-ratio", type=float, default=0.01)
+    parser.add_argument("--timeout", type=float, default=900)
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("benchmarks/compression.py: needs root (network namespaces, tc)", file=sys.stderr)
+        return 2
+    problem = subprocess.run([str(CLUSTER), "check"], capture_output=True, text=True)
+    if problem.returncode != 0:
+        print(f"benchmarks/compression.py: simulated cluster unavailable: {problem.stdout.strip()}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    started = time.time()
+    cluster("start", "2")
+    try:
+        env = cluster_env()
+        plan = [(link, c) for link in args.links for c in args.compressions]
+        with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+            for index in range(args.rounds):
+                single = run_point(args, env, Path(tmp) / f"single-{index}", 1, "none")
+                print(f"round {index + 1}: 1 rank alone {single['sps']:.0f} SPS", flush=True)
+                order = plan[index % len(plan):] + plan[:index % len(plan)]
+                for link, compression in order:
+                    cluster("rate", LINKS[link])
+                    point = run_point(args, env, Path(tmp) / f"{link}-{compression}-{index}", 2, compression)
+                    row = {"link": link, "compression": compression, "round": index + 1,
+                           "efficiency": point["sps"] / (2 * single["sps"]), "sps_1rank": single["sps"], **point}
+                    rows.append(row)
+                    print(f"round {index + 1}: {link:9s} {compression:8s} efficiency {row['efficiency']:.2f}, "
+                          f"{point['sps']:.0f} SPS, {point['comm_bytes'] / 2**20:.2f} MB/iteration", flush=True)
+                cluster("rate", "off")
+    finally:
+        subprocess.run([str(CLUSTER), "stop"], capture_output=True)
+    settings = {"config": args.config, "envs_per_rank": args.envs, "iterations": args.iterations,
+                "rounds": args.rounds, "powersgd_rank": args.powersgd_rank, "topk_ratio": args.topk_ratio,
+                "threads_per_rank": 1, "machine": f"{os.uname().nodename}, {os.cpu_count()} cores",
+                "seconds": round(time.time() - started),
+                "command": "sudo .venv/bin/python benchmarks/compression.py " + " ".join(sys.argv[1:])}
+    (out / "compression.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1) + "\n")
+    lines = ["# Gradient compression on slow links: 2 simulated nodes x 1 rank, Atari preset", "",
+             f"Weak-scaling efficiency = SPS of 1 rank on each of 2 simulated nodes / (2 x SPS of 1 rank alone, "
+             f"uncompressed, same round). {args.envs} envs x 128 steps per rank and iteration, 1 CPU thread per "
+             f"rank, {args.iterations} measured iterations after 1 warm-up, {args.rounds} rounds in rotated order; "
+             f"PowerSGD rank {args.powersgd_rank}, top-k ratio {args.topk_ratio}. The 2 nodes share the "
+             "machine's 2 cores. Nothing else ran on the machine.", "",
+             f"Command: `{settings['command']}` ({settings['seconds']} s)", "",
+             *table(rows, args.links, args.compressions), ""]
+    (out / "compression.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
