@@ -7,8 +7,9 @@ them; `rate` shapes every node's link with tc tbf). For each link rate and each
 `distributed.compression`, one rank per node runs the Atari preset (`srun -N2 --mpi=pmix`, one CPU
 thread per rank, as the multi-node study did) and is compared with one rank alone on one node
 without compression, measured in the same round: weak-scaling efficiency = SPS(2 nodes) /
-(2 x SPS(1 rank)). Rounds rotate the order of the runs, so machine drift hits every setting alike;
-the table gives medians over rounds and the spread. The 2 nodes share this machine's 2 cores, so
+(2 x SPS(1 rank)), the 1-rank SPS being the mean of two runs that bracket each link's group of
+2-node runs. Rounds rotate the order of the links and of the compressions, so machine drift hits
+every setting alike; the table gives medians over rounds and the spread. The 2 nodes share this machine's 2 cores, so
 a 2-node run uses both: the efficiency includes what the hardware's own 2-core efficiency costs
 (benchmarks/results/throughput_*: ~0.96-0.98).
 
@@ -76,9 +77,12 @@ def run_point(args, env: dict, run_dir: Path, nodes: int, compression: str) -> d
 
 
 def table(rows: list[dict], links: list[str], compressions: list[str]) -> list[str]:
-    lines = ["| link | compression | weak-scaling efficiency (median) | range over rounds | SPS (2 nodes) | "
-             "MB sent per rank and iteration | compression ratio | compress s/iteration | allreduce s/iteration |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    """Medians over rounds. 'vs unlimited' divides by the same compression's efficiency on unlimited
+    links in the same round: what the link costs, apart from what the machine itself loses."""
+    lines = ["| link | compression | weak-scaling efficiency (median) | range over rounds | vs unlimited link | "
+             "SPS (2 nodes) | MiB sent per rank and iteration | compression ratio | compress s/iteration | "
+             "allreduce s/iteration |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    unlimited = {(r["compression"], r["round"]): r["efficiency"] for r in rows if r["link"] == "unlimited"}
     for link in links:
         for compression in compressions:
             mine = [r for r in rows if r["link"] == link and r["compression"] == compression]
@@ -86,10 +90,31 @@ def table(rows: list[dict], links: list[str], compressions: list[str]) -> list[s
                 continue
             med = lambda key: statistics.median(r[key] for r in mine)  # noqa: E731
             eff = [r["efficiency"] for r in mine]
+            relative = [r["efficiency"] / unlimited[compression, r["round"]] for r in mine
+                        if (compression, r["round"]) in unlimited]
             lines.append(f"| {link} | {compression} | **{med('efficiency'):.2f}** | {min(eff):.2f}-{max(eff):.2f} | "
-                         f"{med('sps'):.0f} | {med('comm_bytes') / 2**20:.2f} | {med('compression_ratio'):.0f} | "
+                         f"{statistics.median(relative) if relative else float('nan'):.2f} | {med('sps'):.0f} | "
+                         f"{med('comm_bytes') / 2**20:.2f} | {med('compression_ratio'):.0f} | "
                          f"{med('time_compress'):.3f} | {med('time_allreduce'):.3f} |")
     return lines
+
+
+def write_report(out: Path) -> None:
+    """OUT/compression.md from OUT/compression.json."""
+    data = json.loads((out / "compression.json").read_text())
+    settings, rows = data["settings"], data["rows"]
+    links = [link for link in LINKS if any(r["link"] == link for r in rows)]
+    compressions = [c for c in COMPRESSIONS if any(r["compression"] == c for r in rows)]
+    lines = ["# Gradient compression on slow links: 2 simulated nodes x 1 rank, Atari preset", "",
+             f"Weak-scaling efficiency = SPS of 1 rank on each of 2 simulated nodes / (2 x SPS of 1 rank alone, "
+             f"uncompressed, in runs bracketing each link's group). {settings['envs_per_rank']} envs x 128 steps per rank and iteration, 1 CPU "
+             f"thread per rank, {settings['iterations']} measured iterations after 1 warm-up, {settings['rounds']} "
+             f"rounds in rotated order; PowerSGD rank {settings['powersgd_rank']}, top-k ratio "
+             f"{settings['topk_ratio']}. The 2 nodes share the machine's 2 cores. Nothing else ran on the machine.", "",
+             f"Command: `{settings['command']}` ({settings['seconds']} s)", "",
+             *table(rows, links, compressions), ""]
+    (out / "compression.md").write_text("\n".join(lines))
+    print("\n".join(lines))
 
 
 def main() -> int:
@@ -104,7 +129,11 @@ def main() -> int:
     parser.add_argument("--powersgd-rank", type=int, default=4)
     parser.add_argument("--topk-ratio", type=float, default=0.01)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--report-only", action="store_true", help="rewrite OUT/compression.md from its json")
     args = parser.parse_args()
+    if args.report_only:
+        write_report(Path(args.out))
+        return 0
     if os.geteuid() != 0:
         print("benchmarks/compression.py: needs root (network namespaces, tc)", file=sys.stderr)
         return 2
@@ -119,21 +148,29 @@ def main() -> int:
     cluster("start", "2")
     try:
         env = cluster_env()
-        plan = [(link, c) for link in args.links for c in args.compressions]
         with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
             for index in range(args.rounds):
-                single = run_point(args, env, Path(tmp) / f"single-{index}", 1, "none")
-                print(f"round {index + 1}: 1 rank alone {single['sps']:.0f} SPS", flush=True)
-                order = plan[index % len(plan):] + plan[:index % len(plan)]
-                for link, compression in order:
+                # Links in rotated order; per link, the compressions in rotated order between two
+                # runs of 1 rank alone (their mean is the baseline), so drift within minutes cancels.
+                links = args.links[index % len(args.links):] + args.links[:index % len(args.links)]
+                for link in links:
+                    singles = [run_point(args, env, Path(tmp) / f"single-{link}-{index}-a", 1, "none")["sps"]]
                     cluster("rate", LINKS[link])
-                    point = run_point(args, env, Path(tmp) / f"{link}-{compression}-{index}", 2, compression)
-                    row = {"link": link, "compression": compression, "round": index + 1,
-                           "efficiency": point["sps"] / (2 * single["sps"]), "sps_1rank": single["sps"], **point}
-                    rows.append(row)
-                    print(f"round {index + 1}: {link:9s} {compression:8s} efficiency {row['efficiency']:.2f}, "
-                          f"{point['sps']:.0f} SPS, {point['comm_bytes'] / 2**20:.2f} MB/iteration", flush=True)
-                cluster("rate", "off")
+                    shift = index % len(args.compressions)
+                    points = {}
+                    for compression in args.compressions[shift:] + args.compressions[:shift]:
+                        points[compression] = run_point(args, env, Path(tmp) / f"{link}-{compression}-{index}", 2,
+                                                        compression)
+                    cluster("rate", "off")
+                    singles.append(run_point(args, env, Path(tmp) / f"single-{link}-{index}-b", 1, "none")["sps"])
+                    baseline = statistics.mean(singles)
+                    for compression, point in points.items():
+                        row = {"link": link, "compression": compression, "round": index + 1,
+                               "efficiency": point["sps"] / (2 * baseline), "sps_1rank": singles, **point}
+                        rows.append(row)
+                        print(f"round {index + 1}: {link:9s} {compression:8s} efficiency {row['efficiency']:.2f}, "
+                              f"{point['sps']:.0f} SPS, {point['comm_bytes'] / 2**20:.2f} MiB/iteration "
+                              f"(1 rank alone {singles[0]:.0f}/{singles[1]:.0f} SPS)", flush=True)
     finally:
         subprocess.run([str(CLUSTER), "stop"], capture_output=True)
     settings = {"config": args.config, "envs_per_rank": args.envs, "iterations": args.iterations,
@@ -142,16 +179,7 @@ def main() -> int:
                 "seconds": round(time.time() - started),
                 "command": "sudo .venv/bin/python benchmarks/compression.py " + " ".join(sys.argv[1:])}
     (out / "compression.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1) + "\n")
-    lines = ["# Gradient compression on slow links: 2 simulated nodes x 1 rank, Atari preset", "",
-             f"Weak-scaling efficiency = SPS of 1 rank on each of 2 simulated nodes / (2 x SPS of 1 rank alone, "
-             f"uncompressed, same round). {args.envs} envs x 128 steps per rank and iteration, 1 CPU thread per "
-             f"rank, {args.iterations} measured iterations after 1 warm-up, {args.rounds} rounds in rotated order; "
-             f"PowerSGD rank {args.powersgd_rank}, top-k ratio {args.topk_ratio}. The 2 nodes share the "
-             "machine's 2 cores. Nothing else ran on the machine.", "",
-             f"Command: `{settings['command']}` ({settings['seconds']} s)", "",
-             *table(rows, args.links, args.compressions), ""]
-    (out / "compression.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_report(out)
     return 0
 
 

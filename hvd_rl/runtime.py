@@ -167,6 +167,7 @@ class Runtime:
         self._local_state_iteration: int | None = None  # resumed checkpoint, for Algorithm.load_local
         self._last_checkpoint_iteration = -1
         self._summary_step: int | None = None  # global step of the run directory's summary.json
+        self._communication: list[tuple] = []  # (comm_bytes, time_compress, compression_ratio) per iteration
         self._start_time = time.time()
         self._start_step = 0
         self._remaining = RemainingTime()
@@ -478,6 +479,7 @@ class Runtime:
             logger.log(record, total, self._remaining.update(time.time(), progress.global_step, total))
             logger.episodes(progress.global_step, episodes[:, 0], episodes[:, 1])
         stop = report.stop_agreed or bool(per_rank[:, -1].max() > 0)
+        self._communication.append((record["comm_bytes"], record["time_compress"], record["compression_ratio"]))
         return record, stop
 
     @staticmethod
@@ -624,12 +626,29 @@ class Runtime:
                 "gradient_bytes": sum(p.numel() * p.element_size()
                                       for p in self.algorithm.parameters_module().parameters() if p.requires_grad),
                 "topology": self._topology(ranks),
+                "communication": self._communication_summary(),
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
             self._logger().note(f"done: global step {progress.global_step}, parameters identical "
                                 f"on all ranks: {identical}")
         if not identical:
             raise RuntimeError(f"ranks ended with different parameters: {digests}")
+
+    def _communication_summary(self) -> dict[str, Any]:
+        """Gradient traffic of this invocation's iterations (means per iteration and rank), for
+        the scaling report: what was sent, the ratio to the uncompressed gradient, compress time."""
+        d = self.cfg.distributed
+        out: dict[str, Any] = {"compression": d.compression, "iterations": len(self._communication)}
+        if d.compression == "powersgd":
+            out["powersgd_rank"] = d.powersgd_rank
+        if d.compression == "topk":
+            out["topk_ratio"] = d.topk_ratio
+        if self._communication:
+            sent, compress, ratios = zip(*self._communication)
+            ratios = [r for r in ratios if r is not None]
+            out.update({"comm_bytes": float(np.mean(sent)), "time_compress": float(np.mean(compress)),
+                        "compression_ratio": float(np.mean(ratios)) if ratios else None})
+        return out
 
     def _topology(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         topo = dist.topology()

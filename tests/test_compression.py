@@ -43,6 +43,8 @@ def test_compressed_training_counts_bytes_and_resumes_with_its_residuals(tmp_pat
         assert all(r["parameters_identical"] for r in rows)
         assert all(r["compression_ratio"] >= min_ratio and r["comm_bytes"] > 0 for r in rows)
         dense[compression] = rows[-1]["comm_bytes"] * rows[-1]["compression_ratio"]
+        communication = json.loads((run_dir / "summary.json").read_text())["communication"]
+        assert communication["compression"] == compression and communication["compression_ratio"] >= min_ratio
         if compression == "none":
             continue
         saved = load_checkpoint(run_dir / "checkpoints" / "latest.pt")["compression"]
