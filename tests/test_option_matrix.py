@@ -1,17 +1,17 @@
 """Options tested together: a generated pairwise matrix of real runs (issue 22).
 
-Every pair of values of any two options below appears in at least one row (generated: a greedy
-pairwise cover of the whole option space, nobody picks the rows). `validate()` is the oracle for what must be refused: a row it
-refuses must exit 2 on every rank, before any rank starts work, with one line naming the
-conflict; a row it accepts must run a few short iterations to exactly total_timesteps on every
-rank, with identical parameters at the end and an algorithm that really updated. Never a hang
-(every launch has a timeout), never a traceback.
+Every pair of values of any two options (hvd_rl.combinations.OPTIONS) appears in at least one row:
+a greedy pairwise cover of the whole option space, generated, nobody picks the rows. `validate()`
+is the oracle for what must be refused: a row it refuses must exit 2 on every rank, before any
+rank starts work, with one line naming the conflict; a row it accepts must run a few short
+iterations to exactly total_timesteps on every rank, with identical parameters at the end and an
+algorithm that really updated. Never a hang (every launch has a timeout), never a traceback.
 
 The runnable rows cover every pair found in some combination `validate()` accepts (so every
 accepted pair is covered by a run), the refused rows every pair found in some refused combination
-(each refusal rule meets the other options). Small CartPole/Pendulum settings keep a row at a few seconds; one Atari row
-covers the image path. `distributed.amp = fp16` needs CUDA and is left out on CPUs (its refusal
-there is tested in tests/test_precision.py); `compression` grows with issue 23.
+(each refusal rule meets the other options). Small CartPole/Pendulum settings keep a row at a few
+seconds; one Atari row covers the image path. `distributed.amp = fp16` needs CUDA and is left out
+on CPUs (its refusal there is tested in tests/test_precision.py).
 """
 from __future__ import annotations
 
