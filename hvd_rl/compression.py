@@ -135,23 +135,22 @@ class PowerSGD(Compressor):
                 continue
             shape = self._compressed(p)
             (plain if shape is None else matrices).append((i, p, shape))
-        sent = 0
-        averaged, sent_plain = _allreduce_average([p.grad for _, p, _ in plain], "compression.plain")
-        sent += sent_plain
-        for (_, p, _), value in zip(plain, averaged):
-            p.grad.copy_(value)
-        if not matrices:
-            return sent
         ms, qs = [], []
         for i, p, (n, m) in matrices:
             r = min(self.rank, n, m)
             ms.append(self._with_residual(i, p.grad).reshape(n, m))
             q = self.q.get(i)
             qs.append(q if q is not None and q.shape == (m, r) else self._initial_q(i, m, r, p.grad))
-        ps, sent_p = _allreduce_average([mat @ q for mat, q in zip(ms, qs)], "compression.powersgd_p")
-        ps = [orthonormalize(x) for x in ps]
+        # Two collectives per step: the uncompressed tensors travel with the P factors.
+        averaged, sent_p = _allreduce_average([p.grad for _, p, _ in plain] + [mat @ q for mat, q in zip(ms, qs)],
+                                              "compression.powersgd_p")
+        for (_, p, _), value in zip(plain, averaged):
+            p.grad.copy_(value)
+        if not matrices:
+            return sent_p
+        ps = [orthonormalize(x) for x in averaged[len(plain):]]
         qs, sent_q = _allreduce_average([mat.T @ x for mat, x in zip(ms, ps)], "compression.powersgd_q")
-        sent += sent_p + sent_q
+        sent = sent_p + sent_q
         for (i, p, _), mat, x, q in zip(matrices, ms, ps, qs):
             approx = x @ q.T
             self.residuals[i] = (mat - approx).reshape(p.shape)

@@ -123,6 +123,14 @@ class CostModel:
             return c + intra + inter
         raise ProjectionError(f"unknown allreduce algorithm {algorithm!r} (one of {ALGORITHMS})")
 
+    def allgather_s(self, ranks: int, nbytes: float) -> float:
+        """Ring allgather of `nbytes` from every rank: each rank receives the other n - 1 shares,
+        so the volume grows with n (top-k's exchange), where an allreduce's stays ~2S."""
+        n = int(ranks)
+        if n <= 1:
+            return 0.0
+        return self.overhead_s + (n - 1) * self.latency_s + (n - 1) * nbytes / self.bandwidth_Bps
+
     def with_bandwidth(self, bandwidth_Bps: float) -> "CostModel":
         return CostModel(self.overhead_s, self.latency_s, bandwidth_Bps, self.local_latency_s,
                          self.local_bandwidth_Bps)
@@ -199,12 +207,22 @@ class Workload:
     """Per rank and iteration, from a measured run."""
 
     compute_s: float  # everything that is not communication or waiting for other ranks
-    gradient_bytes: float
-    gradient_rounds: float  # gradient allreduces per iteration (PPO: epochs x minibatches)
+    gradient_bytes: float  # bytes each rank sends per gradient reduction (compressed, if it is)
+    gradient_rounds: float  # gradient reductions per iteration (PPO: epochs x minibatches)
     small_collectives: float = 0.0  # other, latency-bound collectives per iteration
+    # distributed.compression: powersgd = 2 allreduces per round (plain tensors with P, then Q), topk = 2
+    # allgathers (values, indices: the volume grows with the ranks), none/fp16 = one allreduce.
+    compression: str = "none"
+
+    def _round_s(self, model: CostModel, ranks: int, algorithm: str, ranks_per_node: int) -> float:
+        if self.compression == "topk":
+            return model.allgather_s(ranks, self.gradient_bytes) + model.overhead_s
+        calls = 2 if self.compression == "powersgd" else 1
+        return (model.allreduce_s(ranks, self.gradient_bytes, algorithm, ranks_per_node)
+                + (calls - 1) * model.allreduce_s(ranks, SMALL_COLLECTIVE_BYTES, algorithm, ranks_per_node))
 
     def comm_s(self, model: CostModel, ranks: int, algorithm: str = "ring", ranks_per_node: int = 1) -> float:
-        return (self.gradient_rounds * model.allreduce_s(ranks, self.gradient_bytes, algorithm, ranks_per_node)
+        return (self.gradient_rounds * self._round_s(model, ranks, algorithm, ranks_per_node)
                 + self.small_collectives * model.allreduce_s(ranks, SMALL_COLLECTIVE_BYTES, algorithm, ranks_per_node))
 
     def iteration_s(self, model: CostModel, ranks: int, algorithm: str = "ring", ranks_per_node: int = 1,

@@ -55,6 +55,8 @@ class Point:
     gradient_rounds: float | None = None  # PPO: gradient allreduces per iteration (epochs x minibatches)
     collectives: float | None = None  # all collectives per iteration (metrics.jsonl)
     epochs_run: float | None = None  # PPO epochs per iteration (mean; KL early stopping cuts them)
+    compression: str = "none"  # summary.json communication: distributed.compression of the run
+    comm_bytes: float | None = None  # gradient bytes each rank sent per iteration (summary.json)
 
     @property
     def group(self) -> str:
@@ -132,6 +134,9 @@ def _point_from_run(run_dir: Path, plan_entry: dict[str, Any] | None) -> Point:
                   warmup_iterations=int(warmup), topology=topology,
                   interconnect=str(meta.get("interconnect") or ""), gradient_bytes=summary.get("gradient_bytes"))
     point.link_rate_bps = parse_rate(point.interconnect)
+    communication = summary.get("communication") or {}
+    point.compression = str(communication.get("compression") or "none")
+    point.comm_bytes = communication.get("comm_bytes")
     config = run_dir / "config.toml"
     cfg: dict[str, Any] = {}
     if config.exists():
@@ -581,9 +586,12 @@ def projection_section(points: list[Point], allreduce: list[dict], out: Path) ->
     def workload_of(p: Point, compute_s: float | None = None) -> P.Workload:
         rounds = p.gradient_rounds or base.gradient_rounds
         small = max(0.0, (p.collectives or 0.0) - rounds - (p.epochs_run or 0.0)) if p.collectives else 0.0
+        # A compressed run exchanges what it measured (comm_bytes) in its own pattern (projection.Workload).
+        compressed = p.compression in ("powersgd", "topk") and p.comm_bytes and rounds
         return P.Workload(compute_s=p.compute_s if compute_s is None else compute_s,
-                          gradient_bytes=p.gradient_bytes or gradient_bytes, gradient_rounds=rounds,
-                          small_collectives=small)
+                          gradient_bytes=p.comm_bytes / rounds if compressed else (p.gradient_bytes or gradient_bytes),
+                          gradient_rounds=rounds, small_collectives=small,
+                          compression=p.compression if compressed else "none")
 
     workload = workload_of(base)
     projection = P.project(model, workload, PROJECTION_RANKS, PROJECTION_RATES, link_efficiency,
@@ -641,8 +649,9 @@ def projection_section(points: list[Point], allreduce: list[dict], out: Path) ->
                  " (no shaped link was measured: nominal rates are taken as achieved)"),
               f"- workload per rank and iteration, from the 1-rank point `{base.name}`: compute "
               f"{workload.compute_s:.3f} s (env + inference + learner + bookkeeping), {workload.gradient_rounds:g} "
-              f"gradient allreduces of {workload.gradient_bytes / 2**20:.2f} MiB, {workload.small_collectives:g} small "
-              "collectives"]
+              f"gradient reductions of {workload.gradient_bytes / 2**20:.2f} MiB"
+              + (f" ({workload.compression}: its measured bytes and exchange pattern)" if workload.compression != "none" else "")
+              + f", {workload.small_collectives:g} small collectives"]
     if problems:
         lines.append("- not fitted: " + "; ".join(problems))
     lines += ["", "![projection](projection.png)", "",

@@ -257,3 +257,23 @@ def test_sweep_points_record_the_interconnect(tmp_path, monkeypatch):
     scaling.record_point(tmp_path / "b", "weak", 1, 1, "ok", 2, False, "srun")
     assert json.loads((tmp_path / "b" / "point.json").read_text())["interconnect"] == "100 Gbit/s InfiniBand EDR"
     assert P.parse_rate("100 Gbit/s InfiniBand EDR") == 100e9
+
+
+def test_compressed_workloads_project_their_own_exchange():
+    """PowerSGD's allreduce of a few KiB scales like a small allreduce; top-k's allgather volume
+    grows with the rank count, so past some ranks it loses even to the uncompressed allreduce."""
+    from hvd_rl.projection import CostModel, Workload
+
+    model = CostModel(overhead_s=1e-4, latency_s=5e-5, bandwidth_Bps=1e9 / 8)  # 1 Gbit/s
+    base = dict(compute_s=2.0, gradient_rounds=16)
+    none = Workload(gradient_bytes=6.7e6, **base)
+    powersgd = Workload(gradient_bytes=1.5e6 / 16, compression="powersgd", **base)
+    topk = Workload(gradient_bytes=2.1e6 / 16, compression="topk", **base)
+    for n in (2, 64):
+        assert powersgd.weak_efficiency(model, n) > none.weak_efficiency(model, n)
+    # At 1024 ranks a ring's 2(n-1) latency steps per call dominate; with a tree's log2(n) the
+    # small payload wins again.
+    assert powersgd.weak_efficiency(model, 1024, "tree") > none.weak_efficiency(model, 1024, "tree")
+    assert topk.weak_efficiency(model, 2) > none.weak_efficiency(model, 2)
+    assert topk.weak_efficiency(model, 1024) < none.weak_efficiency(model, 1024)
+    assert topk.weak_efficiency(model, 64) > topk.weak_efficiency(model, 1024)
