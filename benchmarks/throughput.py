@@ -79,7 +79,6 @@ def run_probes(cfg, steps: int) -> dict[str, float]:
     from hvd_rl import distributed as dist
     from hvd_rl.envs import env_seeds
     from hvd_rl.models import InferencePolicy
-    from hvd_rl.algorithms.ppo import Batch, PPOLearner
     from hvd_rl.rollout import RolloutBuffer
 
     dist.init(cfg.distributed.mpi_yield_when_idle, cfg.distributed.cycle_time_ms)
@@ -114,26 +113,44 @@ def run_probes(cfg, steps: int) -> dict[str, float]:
             policy.sample(logits)[0].numpy()
     inference_rate = steps * n / (time.perf_counter() - start)
 
-    # learner: full PPO updates on a rollout-sized synthetic batch (first update is warm-up)
+    learner_rate = learner_samples_per_s(cfg, model, buffer.obs, action_space.n, rng)
+    return {"env_sps": env_rate, "inference_sps": inference_rate, "learner_samples_per_s": learner_rate,
+            "precision": model.precision.mode}
+
+
+def learner_samples_per_s(cfg, model, obs_slots, n_actions: int, rng, updates: int = 2) -> float:
+    """Full PPO updates on a rollout-sized synthetic batch in `obs_slots` (the rollout buffer's
+    frames, on the model's device, as rollout_batch sees them): samples through the learner per
+    second over `updates` timed updates, after one warm-up update."""
+    import numpy as np
+    import torch
+
+    from hvd_rl import distributed as dist
+    from hvd_rl.algorithms.ppo import Batch, PPOLearner
+
+    device = obs_slots.device
     size = cfg.local_batch_size
-    obs = buffer.obs.reshape((size,) + obs_space.shape)  # the rollout's frames, as rollout_batch sees them
-    obs.copy_(torch.from_numpy(rng.integers(0, 255, (size,) + obs_space.shape).astype(obs_space.dtype)))
-    batch = Batch(obs=obs, actions=torch.from_numpy(rng.integers(0, action_space.n, size)),
-                  logprobs=torch.full((size,), -1.4), values=torch.zeros(size),
-                  advantages=torch.from_numpy(rng.normal(size=size).astype(np.float32)),
-                  returns=torch.from_numpy(rng.normal(size=size).astype(np.float32)))
+    obs_shape = tuple(obs_slots.shape[2:])
+    obs = obs_slots.reshape((size,) + obs_shape)
+    obs.copy_(torch.from_numpy(rng.integers(0, 255, (size,) + obs_shape).astype(np.uint8)).to(obs.dtype))
+    batch = Batch(obs=obs, actions=torch.from_numpy(rng.integers(0, n_actions, size)).to(device),
+                  logprobs=torch.full((size,), -1.4, device=device), values=torch.zeros(size, device=device),
+                  advantages=torch.from_numpy(rng.normal(size=size).astype(np.float32)).to(device),
+                  returns=torch.from_numpy(rng.normal(size=size).astype(np.float32)).to(device))
     optimizer = dist.distributed_optimizer(
         model.precision.adam(model.parameters(), lr=cfg.ppo.learning_rate, eps=cfg.ppo.adam_eps), model,
         reduction="average", compression="none", backward_passes_per_step=cfg.ppo.backward_passes_per_step)
-    learner = PPOLearner(model, optimizer, cfg.ppo, cfg.seed, scaler=model.precision.grad_scaler())
-    learner.update(batch, 1, 0, n, cfg.ppo.num_steps)
+    learner = PPOLearner(model, optimizer, cfg.ppo, cfg.seed, scaler=model.precision.grad_scaler(), device=device)
+    learner.update(batch, 1, 0, cfg.env.num_envs, cfg.ppo.num_steps)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     passes = 0
-    for iteration in (2, 3):
-        passes += size * learner.update(batch, iteration, 0, n, cfg.ppo.num_steps).epochs_run
-    learner_rate = passes / (time.perf_counter() - start)
-    return {"env_sps": env_rate, "inference_sps": inference_rate, "learner_samples_per_s": learner_rate,
-            "precision": model.precision.mode}
+    for iteration in range(2, 2 + updates):
+        passes += size * learner.update(batch, iteration, 0, cfg.env.num_envs, cfg.ppo.num_steps).epochs_run
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return passes / (time.perf_counter() - start)
 
 
 def repo_relative(path: str) -> str:

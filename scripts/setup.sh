@@ -14,9 +14,9 @@
 #   HOROVOD_GPU_OPERATIONS  set to NCCL on GPU nodes to build Horovod with NCCL
 #
 # Horovod 0.28.1 is the latest release but does not compile against PyTorch >= 2.1 as published:
-# its CMake asks for C++14 and PyTorch's headers need C++17. We build the sdist with the small
-# patch in scripts/horovod-0.28.1-cxx17.patch and cache the wheel, keyed by Horovod, torch and
-# Python versions, the patch and the GPU options, so every later setup takes seconds.
+# its CMake asks for C++14 and PyTorch's headers need C++17. scripts/build_horovod.sh builds the
+# sdist with the small patch in scripts/horovod-0.28.1-cxx17.patch and caches the wheel, keyed by
+# Horovod, torch and Python versions, the patch and the GPU options, so every later setup takes seconds.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -106,7 +106,7 @@ pip_install() {
 
 # Fast path: nothing changed since the last complete setup.
 STAMP="$VENV/.hvd_rl_setup"
-STAMP_KEY="$(cat "$REPO_ROOT/setup.py" "$0" "$PATCH" | sha256sum | cut -c1-16) torch=$TORCH_REQ gpu=${HOROVOD_GPU_OPERATIONS:-none}"
+STAMP_KEY="$(cat "$REPO_ROOT/setup.py" "$0" "$REPO_ROOT/scripts/build_horovod.sh" "$PATCH" | sha256sum | cut -c1-16) torch=$TORCH_REQ gpu=${HOROVOD_GPU_OPERATIONS:-none}"
 if [ -f "$STAMP" ] && [ -f "$VENV/.hvd_rl_check_build" ] && [ "$(cat "$STAMP")" = "$STAMP_KEY" ] && "$PY" -c "import hvd_rl, horovod.torch" 2>/dev/null; then
   log "up to date ($VENV); horovodrun --check-build, as recorded by the last full setup:"
   cat "$VENV/.hvd_rl_check_build"
@@ -128,50 +128,9 @@ command -v cmake >/dev/null || pip_install "cmake>=3.13,<4"
 if [ "$(horovod_action)" = keep ]; then
   log "Horovod $HOROVOD_VERSION already installed"
 else
-  TORCH_VERSION="$("$PY" -c 'import torch; print(torch.__version__)')"
-  PY_VERSION="$("$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
-  MPI_VERSION="$(mpirun --version 2>/dev/null | head -1 | tr -cd '[:alnum:]._ ')"
-  KEY_SRC="horovod=$HOROVOD_VERSION torch=$TORCH_VERSION python=$PY_VERSION mpi=$MPI_VERSION patch=$(sha256sum "$PATCH" | cut -c1-16) gpu=${HOROVOD_GPU_OPERATIONS:-none} arch=$(uname -m)"
-  KEY="$(printf '%s' "$KEY_SRC" | sha256sum | cut -c1-16)"
-  WHEEL_DIR="$CACHE/wheels/horovod-$HOROVOD_VERSION-$KEY"
-  if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
-    log "building Horovod $HOROVOD_VERSION for $KEY_SRC (about 8 minutes on 2 cores)"
-    mkdir -p "$CACHE/sdist"
-    SDIST="$CACHE/sdist/horovod-$HOROVOD_VERSION.tar.gz"
-    [ -f "$SDIST" ] || "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$CACHE/sdist" \
-      2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-    BUILD="$(mktemp -d)"
-    trap 'rm -rf "$BUILD"' EXIT
-    tar xzf "$SDIST" -C "$BUILD"
-    (cd "$BUILD/horovod-$HOROVOD_VERSION" && patch -p1 -s < "$PATCH")
-    GPU_FLAGS=()
-    [ -n "${HOROVOD_GPU_OPERATIONS:-}" ] && GPU_FLAGS=(HOROVOD_GPU_OPERATIONS="$HOROVOD_GPU_OPERATIONS")
-    if [ "${HOROVOD_GPU_OPERATIONS:-}" = NCCL ] && [ -z "${HOROVOD_NCCL_HOME:-}" ]; then
-      # CUDA torch wheels bring NCCL as the nvidia-nccl-cu* wheel: headers and libnccl.so.2, but
-      # no unversioned libnccl.so for the linker. Point Horovod's CMake at a home that has both.
-      NCCL_PKG="$("$PY" -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))" 2>/dev/null || true)"
-      if [ -n "$NCCL_PKG" ] && [ -f "$NCCL_PKG/lib/libnccl.so.2" ]; then
-        mkdir -p "$BUILD/nccl/lib"
-        ln -sf "$NCCL_PKG/include" "$BUILD/nccl/include"
-        ln -sf "$NCCL_PKG/lib/libnccl.so.2" "$BUILD/nccl/lib/libnccl.so"
-        ln -sf "$NCCL_PKG/lib/libnccl.so.2" "$BUILD/nccl/lib/libnccl.so.2"
-        GPU_FLAGS+=(HOROVOD_NCCL_HOME="$BUILD/nccl" HOROVOD_NCCL_LINK=SHARED)
-        log "NCCL from the nvidia-nccl wheel: $NCCL_PKG"
-      fi
-    fi
-    env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
-        HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
-        MAKEFLAGS="-j$(nproc)" "${GPU_FLAGS[@]}" \
-        "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$BUILD/dist" "$BUILD/horovod-$HOROVOD_VERSION" \
-        2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-    mkdir -p "$WHEEL_DIR"
-    cp "$BUILD"/dist/horovod-*.whl "$WHEEL_DIR/"
-    printf '%s\n' "$KEY_SRC" > "$WHEEL_DIR/KEY"
-  else
-    log "Horovod wheel cache hit: $WHEEL_DIR"
-  fi
-  pip_install --force-reinstall --no-deps "$WHEEL_DIR"/horovod-*.whl
-  pip_install "$(ls "$WHEEL_DIR"/horovod-*.whl)"
+  WHEEL="$("$REPO_ROOT/scripts/build_horovod.sh" "$PY" "$CACHE" | tail -1)"
+  pip_install --force-reinstall --no-deps "$WHEEL"
+  pip_install "$WHEEL"
 fi
 
 if [ "${HOROVOD_GPU_OPERATIONS:-}" = NCCL ] && ! "$PY" -c "import sys, horovod.torch as h; sys.exit(not h.nccl_built())"; then
