@@ -35,9 +35,7 @@ else
   MPI_VERSION="none"
   log "no mpicc on PATH: building with Gloo alone (launch with horovodrun --gloo)"
 fi
-KEY_SRC="horovod=$HOROVOD_VERSION torch=$TORCH_VERSION python=$PY_VERSION mpi=$MPI_VERSION patch=$(sha256sum "$PATCH" | cut -c1-16) gpu=${HOROVOD_GPU_OPERATIONS:-none} cc=${HOROVOD_BUILD_CUDA_CC_LIST:-default} arch=$(uname -m)"
-# Keys of wheels built before cc= was part of the key stay valid for the default list.
-[ -z "${HOROVOD_BUILD_CUDA_CC_LIST:-}" ] && KEY_SRC="${KEY_SRC/ cc=default/}"
+KEY_SRC="horovod=$HOROVOD_VERSION torch=$TORCH_VERSION python=$PY_VERSION mpi=$MPI_VERSION patch=$(sha256sum "$PATCH" | cut -c1-16) gpu=${HOROVOD_GPU_OPERATIONS:-none}${HOROVOD_BUILD_CUDA_CC_LIST:+ cc=$HOROVOD_BUILD_CUDA_CC_LIST} arch=$(uname -m)"
 KEY="$(printf '%s' "$KEY_SRC" | sha256sum | cut -c1-16)"
 WHEEL_DIR="$CACHE/wheels/horovod-$HOROVOD_VERSION-$KEY"
 if ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then

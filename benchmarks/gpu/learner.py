@@ -24,7 +24,6 @@ def measure(config: str, device_name: str, minibatch: int, amp: str, updates: in
     import numpy as np
     import torch
 
-    from hvd_rl import distributed as dist
     from hvd_rl.envs import RankEnvs
     from hvd_rl.models import build_model
     from hvd_rl.precision import precision_for

@@ -24,7 +24,7 @@ set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO"
 DRY=0
-STEPS="info,install,horovod,doctor,train,sweep,learner,summary"
+STEPS="info,horovod,install,doctor,train,sweep,learner,summary"
 BUNDLE="$REPO/.whl"
 while [ $# -gt 0 ]; do
   case "$1" in
