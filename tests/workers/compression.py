@@ -1,6 +1,6 @@
 """Worker: each rank's own gradients through PowerSGD / top-k, against the exact average.
 
-usage: compression.py   (under mpirun -np N); prints one JSON line per rank.
+usage: compression.py   (under mpirun -np N); rank 0 prints one JSON line per rank.
 """
 import json
 
@@ -81,8 +81,12 @@ def resumed_equals_uninterrupted(make) -> bool:
     return all(torch.equal(a, b) for sa, sb in zip(*results) for a, b in zip(sa, sb))
 
 
-print(json.dumps({"rank": topo.rank, "powersgd_full": full, "powersgd_low": low, "powersgd_ledger": low_ledger,
-                  "topk_dense": dense, "topk_sparse": sparse, "topk_ledger": sparse_ledger,
-                  "no_feedback_ledger": forgetful_ledger,
-                  "powersgd_resume_exact": resumed_equals_uninterrupted(lambda ps: PowerSGD(ps, rank=2, seed=3)),
-                  "topk_resume_exact": resumed_equals_uninterrupted(lambda ps: TopK(ps, ratio=0.05))}))
+row = {"rank": topo.rank, "powersgd_full": full, "powersgd_low": low, "powersgd_ledger": low_ledger,
+       "topk_dense": dense, "topk_sparse": sparse, "topk_ledger": sparse_ledger,
+       "no_feedback_ledger": forgetful_ledger,
+       "powersgd_resume_exact": resumed_equals_uninterrupted(lambda ps: PowerSGD(ps, rank=2, seed=3)),
+       "topk_resume_exact": resumed_equals_uninterrupted(lambda ps: TopK(ps, ratio=0.05))}
+# Gathered to rank 0, which prints them: lines written by several ranks at once can interleave.
+rows = dist.allgather_object(row, name="test.rows")
+if topo.rank == 0:
+    print("\n".join(json.dumps(r) for r in rows), flush=True)
