@@ -9,6 +9,13 @@ compares across rank counts. S is always the fp32 payload, also with fp16 compre
 halves the bytes on the wire), so the two modes compare directly. Also measured: the real
 gradient of the Nature CNN, reduced the way hvd.DistributedOptimizer does (one named allreduce
 per parameter, fused by Horovod). The fusion threshold and cycle time in effect are recorded.
+
+With --compressions, that gradient is also reduced once per repetition by each named
+`distributed.compression` the way training reduces it (none/fp16: Horovod's fused allreduce;
+powersgd/topk: hvd_rl.compression's reduce()), recording the time, the bytes each rank hands to the
+collectives, the compression compute (time outside the collectives) and how busy the ranks kept
+the CPUs (their CPU seconds over wall seconds x cores): benchmarks/compression_allreduce.py runs it
+on 2, 4 and 8 simulated nodes to check the projection model. --no-sweep skips the size sweep.
 """
 from __future__ import annotations
 
@@ -66,6 +73,62 @@ def nature_cnn_gradients() -> list[tuple[str, torch.Tensor]]:
     return [(name, torch.randn_like(p)) for name, p in model.named_parameters()]
 
 
+def compressed_reductions(names: list[str], grads: list[tuple[str, torch.Tensor]], reps: int,
+                          powersgd_rank: int, topk_ratio: float) -> list[dict]:
+    """One row per compression: the slowest rank's median time to reduce the whole gradient."""
+    from hvd_rl.compression import CLOCK, PowerSGD, TopK
+
+    rows = []
+    dense_bytes = sum(g.numel() * 4 for _, g in grads)
+    for name in names:
+        generator = torch.Generator().manual_seed(hvd.rank())  # rank-dependent gradients, as in training
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for _, g in grads]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+        if name in ("none", "fp16"):
+            codec = hvd.Compression.fp16 if name == "fp16" else hvd.Compression.none
+
+            def reduce(codec=codec, tag=name):
+                # as hvd.DistributedOptimizer does: compress, one async allreduce per tensor (fused), decompress
+                pending = []
+                for i, p in enumerate(params):
+                    wire, ctx = codec.compress(p.grad)
+                    pending.append((hvd.allreduce_async(wire, name=f"c.{tag}.{i}", op=hvd.Average), ctx))
+                for handle, ctx in pending:
+                    codec.decompress(hvd.synchronize(handle), ctx)
+                return dense_bytes // (2 if tag == "fp16" else 1)
+        elif name == "powersgd":
+            reduce = PowerSGD(params, rank=powersgd_rank, seed=1).reduce
+        elif name == "topk":
+            reduce = TopK(params, ratio=topk_ratio).reduce
+        else:
+            raise SystemExit(f"allreduce.py: unknown compression {name!r} (none, fp16, topk, powersgd)")
+        sent = reduce()  # warm-up: PowerSGD's first Q, Horovod's response cache
+        outside: list[float] = []  # per call, this rank's seconds in reduce() outside the collectives
+
+        def measured(reduce=reduce):
+            inside, start = CLOCK.collective_seconds, time.perf_counter()
+            reduce()
+            outside.append(time.perf_counter() - start - (CLOCK.collective_seconds - inside))
+
+        cpu_before, wall_before = time.process_time(), time.perf_counter()
+        times = timed(measured, reps, warmup=1)
+        wall = time.perf_counter() - wall_before
+        busy = hvd.allreduce(torch.tensor([time.process_time() - cpu_before]), op=hvd.Sum, name=f"c.{name}.cpu")
+        compress = 0.0
+        if name in ("powersgd", "topk"):  # the compression compute: median over the timed calls, mean over ranks
+            compress = float(hvd.allreduce(torch.tensor([float(np.median(outside[1:]))]), op=hvd.Average,
+                                           name=f"c.{name}.compress"))
+        rows.append({"compression": name, "reps": reps, "latency_s": float(np.median(times)),
+                     "min_latency_s": float(min(times)), "bytes_per_rank": int(sent), "dense_bytes": dense_bytes,
+                     "time_compress_s": compress,
+                     "cpu_busy": float(busy) / (wall * (os.cpu_count() or 1))})
+        if hvd.rank() == 0:
+            print(f"  {name:8s} {rows[-1]['latency_s'] * 1e3:9.2f} ms  {sent / 2**20:7.3f} MiB/rank  "
+                  f"compress {compress * 1e3:6.2f} ms  cpu busy {rows[-1]['cpu_busy']:.2f}", flush=True)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--np", type=int, default=2, help="ranks (the script starts mpirun itself)")
@@ -73,6 +136,10 @@ def main() -> int:
     parser.add_argument("--max-size", type=int, default=256 * 1024 * 1024)
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions (fewer for large sizes)")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--compressions", default="", help="comma-separated: reduce the gradient with each")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the message-size sweep")
+    parser.add_argument("--powersgd-rank", type=int, default=4)
+    parser.add_argument("--topk-ratio", type=float, default=0.01)
     args = parser.parse_args()
     if not launched() and args.np > 1:
         return relaunch_under_mpirun(args.np)
@@ -85,7 +152,7 @@ def main() -> int:
         hvd.allreduce(torch.ones(1024), name="bench.warmup")
     rows = []
     size = args.min_size
-    while size <= args.max_size:
+    while size <= args.max_size and not args.no_sweep:
         count = size // 4
         tensor = torch.ones(count, dtype=torch.float32)
         reps = max(3, min(args.reps, int(args.reps * (8 * 1024 * 1024) / size) or 3))
@@ -117,6 +184,10 @@ def main() -> int:
     algbw, busbw = bandwidths(grad_bytes, median, ranks)
     gradient = {"model": "nature_cnn (18 actions)", "tensors": len(grads), "bytes": grad_bytes,
                 "latency_s": median, "algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9}
+    compressed = []
+    if args.compressions:
+        compressed = compressed_reductions([c for c in args.compressions.split(",") if c], grads, args.reps,
+                                           args.powersgd_rank, args.topk_ratio)
     if hvd.rank() != 0:
         return 0
     print(f"Nature CNN gradient: {len(grads)} tensors, {grad_bytes / 2**20:.2f} MiB, "
@@ -125,6 +196,7 @@ def main() -> int:
         "kind": "hvd_rl.allreduce_benchmark", "ranks": ranks, "nodes": hvd.cross_size(),
         "interconnect": interconnect_from_environment() if hvd.cross_size() > 1 else "",
         "controller": "mpi" if hvd.mpi_enabled() else "gloo", "rows": rows, "gradient": gradient,
+        "compressed": compressed, "powersgd_rank": args.powersgd_rank, "topk_ratio": args.topk_ratio,
         "fusion_threshold_bytes": int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)),
         "cycle_time_ms": float(os.environ.get("HOROVOD_CYCLE_TIME", DEFAULT_CYCLE_TIME_MS)),
         "mpi_yield_when_idle": os.environ.get(dist.YIELD_VAR),

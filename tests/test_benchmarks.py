@@ -66,3 +66,26 @@ def test_interleave_benchmark_times_every_layer_of_every_full_forward_pass(tmp_p
         assert all(ms > 0 for ms in condition["layers_ms"].values()) and condition["forward_ms"] > 0
     assert r["config"] == "configs/cartpole_ppo.toml" and str(REPO) not in out.read_text()
     assert "vs back to back" in text and "in rollout" in text
+
+
+def test_allreduce_benchmark_reduces_the_gradient_with_each_compression(tmp_path):
+    """benchmarks/allreduce.py --compressions (what compression_allreduce.py runs on 2-8 simulated
+    nodes): each compression's row reports the bytes that compression really hands to the
+    collectives, and only PowerSGD and top-k spend compute outside them."""
+    out = tmp_path / "allreduce.json"
+    check(run([PYTHON, REPO / "benchmarks" / "allreduce.py", "--np", "2", "--no-sweep", "--reps", "2",
+               "--compressions", "none,fp16,topk,powersgd", "--out", out], timeout=300))
+    r = json.loads(out.read_text())
+    assert r["rows"] == [] and r["ranks"] == 2
+    rows = {row["compression"]: row for row in r["compressed"]}
+    assert list(rows) == ["none", "fp16", "topk", "powersgd"]
+    dense = r["gradient"]["bytes"]
+    assert rows["none"]["bytes_per_rank"] == rows["none"]["dense_bytes"] == dense
+    assert rows["fp16"]["bytes_per_rank"] == dense // 2
+    # top-k 0.01: a value (4 bytes) and an index (8 bytes) per kept entry, about 3% of the dense bytes
+    assert 0.02 * dense < rows["topk"]["bytes_per_rank"] < 0.04 * dense
+    # PowerSGD rank 4: the P and Q factors of the weight matrices plus the biases as they are
+    assert rows["powersgd"]["bytes_per_rank"] < 0.03 * dense
+    for name, row in rows.items():
+        assert row["latency_s"] > 0 and row["reps"] == 2 and 0 < row["cpu_busy"] <= 1.5
+        assert (row["time_compress_s"] > 0) == (name in ("topk", "powersgd"))
