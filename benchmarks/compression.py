@@ -9,8 +9,12 @@ thread per rank, as the multi-node study did) and is compared with one rank alon
 without compression, measured in the same round: weak-scaling efficiency = SPS(2 nodes) /
 (2 x SPS(1 rank)), the 1-rank SPS being the mean of two runs that bracket each link's group of
 2-node runs. Rounds rotate the order of the links and of the compressions, so machine drift hits
-every setting alike; the table gives medians over rounds and the spread. The 2 nodes share this machine's 2 cores, so
-a 2-node run uses both: the efficiency includes what the hardware's own 2-core efficiency costs
+every setting alike; the table gives medians over rounds and the spread. The 2 nodes share this
+machine's 2 cores, so each simulated node is given one core: every rank is pinned (taskset) to
+core SLURM_NODEID, the lone rank of the baseline included. Without pinning the lone rank spreads
+its Horovod thread and the OS's work over both cores while each 2-node rank has one, and the
+unlimited link's efficiency (the machine's ceiling) fell to 0.72 (--no-pin reproduces that). The
+efficiency still includes what the hardware's own 2-core efficiency costs
 (benchmarks/results/throughput_*: ~0.96-0.98).
 
 Output: OUT/compression.json (rows with link, compression, round, efficiency, sps, comm_bytes,
@@ -59,8 +63,10 @@ def run_point(args, env: dict, run_dir: Path, nodes: int, compression: str) -> d
             f"distributed.compression={compression}", f"distributed.powersgd_rank={args.powersgd_rank}",
             f"distributed.topk_ratio={args.topk_ratio}", "distributed.threads_per_rank=1",
             "checkpoint.every=0", "logging.tensorboard=false", "logging.console=false"]
+    # One core per simulated node: the rank on node k (SLURM_NODEID) runs on core k.
+    pin = [] if args.no_pin else ["bash", "-c", f'exec taskset -c $((SLURM_NODEID % {os.cpu_count()})) "$@"', "pin"]
     cmd = ["srun", f"-N{nodes}", "--ntasks-per-node=1", "--cpus-per-task=1", "--mpi=pmix",
-           *(["-w", "node1"] if nodes == 1 else []), str(BIN / "hvd-rl"), "train",
+           *(["-w", "node1"] if nodes == 1 else []), *pin, str(BIN / "hvd-rl"), "train",
            "--config", args.config, "--run-dir", str(run_dir)]
     for s in sets:
         cmd += ["--set", s]
@@ -110,7 +116,10 @@ def write_report(out: Path) -> None:
              f"uncompressed, in runs bracketing each link's group). {settings['envs_per_rank']} envs x 128 steps per rank and iteration, 1 CPU "
              f"thread per rank, {settings['iterations']} measured iterations after 1 warm-up, {settings['rounds']} "
              f"rounds in rotated order; PowerSGD rank {settings['powersgd_rank']}, top-k ratio "
-             f"{settings['topk_ratio']}. The 2 nodes share the machine's 2 cores. Nothing else ran on the machine.", "",
+             f"{settings['topk_ratio']}. The 2 nodes share the machine's 2 cores"
+             + (": each node's rank, and the lone rank, pinned to a core of its own." if settings.get("pinned") else
+                ", the ranks not pinned (the lone rank of the baseline could use both).")
+             + " Nothing else ran on the machine.", "",
              f"Command: `{settings['command']}` ({settings['seconds']} s)", "",
              *table(rows, links, compressions), ""]
     (out / "compression.md").write_text("\n".join(lines))
@@ -129,11 +138,15 @@ def main() -> int:
     parser.add_argument("--powersgd-rank", type=int, default=4)
     parser.add_argument("--topk-ratio", type=float, default=0.01)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--no-pin", action="store_true", help="do not pin each node's rank to a core of its own")
     parser.add_argument("--report-only", action="store_true", help="rewrite OUT/compression.md from its json")
     args = parser.parse_args()
     if args.report_only:
         write_report(Path(args.out))
         return 0
+    if not args.no_pin and not shutil.which("taskset"):
+        print("benchmarks/compression.py: taskset (util-linux) is needed to pin ranks (or pass --no-pin)", file=sys.stderr)
+        return 2
     if os.geteuid() != 0:
         print("benchmarks/compression.py: needs root (network namespaces, tc)", file=sys.stderr)
         return 2
@@ -175,7 +188,7 @@ def main() -> int:
         subprocess.run([str(CLUSTER), "stop"], capture_output=True)
     settings = {"config": args.config, "envs_per_rank": args.envs, "iterations": args.iterations,
                 "rounds": args.rounds, "powersgd_rank": args.powersgd_rank, "topk_ratio": args.topk_ratio,
-                "threads_per_rank": 1, "machine": f"{os.uname().nodename}, {os.cpu_count()} cores",
+                "threads_per_rank": 1, "pinned": not args.no_pin, "machine": f"{os.uname().nodename}, {os.cpu_count()} cores",
                 "seconds": round(time.time() - started),
                 "command": "sudo .venv/bin/python benchmarks/compression.py " + " ".join(sys.argv[1:])}
     (out / "compression.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1) + "\n")
