@@ -1,6 +1,11 @@
 # The two commands a fresh machine needs (each runs the idempotent setup first):
 #   make train   # the main job: Atari PPO preset on NP ranks with mpirun (resumable)
-#   make test    # the whole test suite (real ranks, real Horovod, real SLURM, real ALE)
+#   make test    # the whole test suite (real ranks, Horovod, SLURM, ALE, containers)
+# More:
+#   make image   # the OCI image (containers/Containerfile) with podman; BASE=... IMAGE=...
+#   make sif     # the Apptainer image from it (needs apptainer)
+#   make docs    # the docs site (strict build); open docs/_build/html/docs/index.html
+#   make doctor  # what is installed and a real 2-rank allreduce
 VENV    ?= .venv
 NP      ?= 2
 CONFIG  ?= configs/atari_ppo.toml
@@ -12,12 +17,15 @@ PYTEST_ARGS ?=
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup setup-slurm train test doctor
+IMAGE   ?= localhost/hvd-rl:cpu
+BASE    ?=
+
+.PHONY: setup setup-slurm train test doctor image sif docs
 setup:
 	scripts/setup.sh
 
 setup-slurm:
-	scripts/setup.sh --slurm
+	scripts/setup.sh --slurm --containers
 
 train: setup
 	mpirun -np $(NP) --oversubscribe $(VENV)/bin/hvd-rl train --config $(CONFIG) \
@@ -28,3 +36,17 @@ test: setup-slurm
 
 doctor: setup
 	$(VENV)/bin/hvd-rl doctor
+
+# BASE: the base image (default: a local Debian 12 made with mmdebstrap, no registry needed);
+# TORCH, HOROVOD_GPU_OPERATIONS, HOROVOD_BUILD_CUDA_CC_LIST as in containers/build_image.sh.
+image:
+	BASE="$(BASE)" IMAGE="$(IMAGE)" containers/build_image.sh
+
+sif:
+	@command -v apptainer >/dev/null || { echo "make sif: apptainer is not installed (see docs/deploy/apptainer.md)" >&2; exit 2; }
+	mkdir -p build && containers/podman.sh save --format oci-archive -o build/hvd-rl.oci.tar $(IMAGE)
+	cd build && apptainer build --force hvd-rl.sif ../containers/hvd_rl.def
+
+docs: setup
+	$(VENV)/bin/sphinx-build -W --keep-going -q -c docs . docs/_build/html
+	@echo "docs: open docs/_build/html/docs/index.html"

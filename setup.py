@@ -23,7 +23,15 @@ setup(
     packages=find_packages(include=["hvd_rl", "hvd_rl.*"]),
     python_requires=">=3.9",
     install_requires=INSTALL_REQUIRES,
-    # hypothesis: tests/test_config_fuzz.py; allpairspy: tests/test_option_matrix.py
-    extras_require={"test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6.80", "allpairspy>=2.5"]},
+    # hypothesis: tests/test_config_fuzz.py; allpairspy: tests/test_option_matrix.py;
+    # jsonschema, kubernetes-validate (Kubernetes' own schemas), botocore (the AWS Batch API's
+    # model): tests/test_deploy.py, offline
+    # tools: W&B tracking, videos of the agent (imageio + its ffmpeg; pygame draws classic control),
+    # ONNX export (onnxscript: torch.onnx's exporter) and its check (onnxruntime)
+    extras_require={"test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6.80", "allpairspy>=2.5",
+                             "jsonschema>=4.18", "kubernetes-validate>=1.30", "botocore>=1.34"],
+                    "tools": ["wandb>=0.19", "imageio>=2.34", "imageio-ffmpeg>=0.5", "pygame>=2.5",
+                              "onnx>=1.17", "onnxscript>=0.2", "onnxruntime>=1.20"],
+                    "docs": ["sphinx>=8", "myst-parser>=4", "furo>=2024.8"]},
     entry_points={"console_scripts": ["hvd-rl=hvd_rl.cli:main"]},
 )

@@ -12,7 +12,7 @@ per parameter, fused by Horovod). The fusion threshold and cycle time in effect 
 
 With --compressions, that gradient is also reduced once per repetition by each named
 `distributed.compression` the way training reduces it (none/fp16: Horovod's fused allreduce;
-powersgd/topk: hvd_rl.compression's reduce()), recording the time, the bytes each rank hands to the
+powersgd/topk: hvd_rl.runtime.compression's reduce()), recording the time, the bytes each rank hands to the
 collectives, the compression compute (time outside the collectives) and how busy the ranks kept
 the CPUs (their CPU seconds over wall seconds x cores): benchmarks/compression_allreduce.py runs it
 on 2, 4 and 8 simulated nodes to check the projection model. --no-sweep skips the size sweep.
@@ -35,10 +35,10 @@ sys.path.insert(0, str(REPO))
 
 import horovod.torch as hvd  # noqa: E402
 
-from hvd_rl import distributed as dist  # noqa: E402
+from hvd_rl.runtime import distributed as dist  # noqa: E402
 from hvd_rl.config import DistributedConfig  # noqa: E402
-from hvd_rl.launch import launched, relaunch_under_mpirun  # noqa: E402
-from hvd_rl.projection import interconnect_from_environment  # noqa: E402
+from hvd_rl.cluster.launch import launched, relaunch_under_mpirun  # noqa: E402
+from hvd_rl.analysis.projection import interconnect_from_environment  # noqa: E402
 
 DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024  # Horovod 0.28 defaults (horovod/common/operations.cc)
 DEFAULT_CYCLE_TIME_MS = 1.0
@@ -66,7 +66,7 @@ def nature_cnn_gradients() -> list[tuple[str, torch.Tensor]]:
     import gymnasium as gym
 
     from hvd_rl.config import ModelConfig
-    from hvd_rl.models import build_model
+    from hvd_rl.algorithms.models import build_model
 
     model = build_model(ModelConfig(kind="nature_cnn"), gym.spaces.Box(0, 255, (4, 84, 84), np.uint8),
                         gym.spaces.Discrete(18))
@@ -76,7 +76,7 @@ def nature_cnn_gradients() -> list[tuple[str, torch.Tensor]]:
 def compressed_reductions(names: list[str], grads: list[tuple[str, torch.Tensor]], reps: int,
                           powersgd_rank: int, topk_ratio: float) -> list[dict]:
     """One row per compression: the slowest rank's median time to reduce the whole gradient."""
-    from hvd_rl.compression import CLOCK, PowerSGD, TopK
+    from hvd_rl.runtime.compression import CLOCK, PowerSGD, TopK
 
     rows = []
     dense_bytes = sum(g.numel() * 4 for _, g in grads)

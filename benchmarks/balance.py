@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import REPO, VENV_BIN, repo_relative  # noqa: E402
 
 sys.path.insert(0, str(REPO))
-from hvd_rl.launch import mpi_env  # noqa: E402
-from hvd_rl.metrics import read_jsonl  # noqa: E402
-from hvd_rl.report import plot_rank_timeline  # noqa: E402
+from hvd_rl.cluster.launch import mpi_env  # noqa: E402
+from hvd_rl.runtime.metrics import read_jsonl  # noqa: E402
+from hvd_rl.analysis.report import plot_rank_timeline  # noqa: E402
 
 MODES = ("off", "static", "dynamic")
 

@@ -15,7 +15,7 @@ core SLURM_NODEID, the lone rank of the baseline included. Without pinning the l
 its Horovod thread and the OS's work over both cores while each 2-node rank has one, and the
 unlimited link's efficiency (the machine's ceiling) fell to 0.72 (--no-pin reproduces that). The
 efficiency still includes what the hardware's own 2-core efficiency costs
-(benchmarks/results/throughput_*: ~0.96-0.98).
+(benchmarks/results/throughput/: ~0.96-0.98).
 
 Output: OUT/compression.json (rows with link, compression, round, efficiency, sps, comm_bytes,
 compression_ratio, time_compress, time_allreduce, time_wait, and the runs' settings) and
@@ -37,6 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER = REPO / "slurm" / "sim_cluster.sh"
 BIN = REPO / ".venv" / "bin"
+sys.path.insert(0, str(REPO))
+from hvd_rl.analysis import projection as P  # noqa: E402
 LINKS = {"unlimited": "off", "1gbit": "1gbit", "100mbit": "100mbit"}
 COMPRESSIONS = ("none", "fp16", "topk", "powersgd")
 
@@ -105,12 +107,56 @@ def table(rows: list[dict], links: list[str], compressions: list[str]) -> list[s
     return lines
 
 
+PROJECTED_RANKS = (2, 8, 64, 1024)
+
+
+def projection_lines(rows: list[dict], settings: dict, fits: dict) -> list[str]:
+    """Weak scaling projected to 1024 ranks (one rank per node) per link and compression: each
+    compression's measured work per iteration (compute and compression compute: everything but
+    the allreduces and the waiting) and bytes, on the link's cost model fitted by
+    compression_allreduce.py (ring allreduce; top-k's allgather grows with the ranks)."""
+    from hvd_rl.config import load_config
+
+    cfg = load_config(REPO / settings["config"], [])
+    rounds = cfg.ppo.update_epochs * cfg.ppo.num_minibatches
+    lines = ["## Projection to 1024 ranks", "",
+             f"One rank per node; per iteration each rank computes what it measured here (the median over rounds of "
+             f"time_iteration - time_allreduce - time_wait, compression compute included) and makes {rounds} gradient "
+             "reductions of the bytes it measured, on each link's cost model fitted by "
+             "`benchmarks/compression_allreduce.py` (`allreduce-nodes/`: c and bandwidth; ring allreduce, PowerSGD "
+             "2 allreduces per reduction, top-k 2 allgathers whose volume grows with the ranks). Efficiency is "
+             "against the lone uncompressed rank, as measured above, so a compression's own compute counts as a loss; "
+             "the '2 measured' column is this run's, beside the model's at 2 ranks. The compute measured with 2 "
+             "simulated nodes on 2 cores carries this machine's own 2-core loss into every projected point.", "",
+             "| link | compression | 2 measured | " + " | ".join(f"{n} projected" for n in PROJECTED_RANKS) + " |",
+             "|---|---|---:|" + "---:|" * len(PROJECTED_RANKS)]
+    for link, fit in fits.items():
+        model = P.CostModel(fit["overhead_s"], fit["latency_s"], fit["bandwidth_Bps"])
+        for compression in COMPRESSIONS:
+            mine = [r for r in rows if r["link"] == link and r["compression"] == compression]
+            if not mine:
+                continue
+            compute = statistics.median(r["time_iteration"] - r["time_allreduce"] - r["time_wait"] for r in mine)
+            workload = P.Workload(compute_s=compute, gradient_bytes=statistics.median(r["comm_bytes"] for r in mine) / rounds,
+                                  gradient_rounds=rounds, compression=compression)
+            # against the lone uncompressed rank, as the measured efficiency is (so compression's own
+            # compute counts as a loss, and the 2-rank column checks the model)
+            alone_s = statistics.median(settings["envs_per_rank"] * 128 / statistics.mean(r["sps_1rank"]) for r in mine)
+            projected = [alone_s / workload.iteration_s(model, n) for n in PROJECTED_RANKS]
+            lines.append(f"| {link} | {compression} | {statistics.median(r['efficiency'] for r in mine):.2f} | "
+                         + " | ".join(f"{e:.2f}" for e in projected) + " |")
+    return lines + [""]
+
+
 def write_report(out: Path) -> None:
-    """OUT/compression.md from OUT/compression.json."""
+    """OUT/compression.md from OUT/compression.json (and the projection, where
+    OUT/allreduce-nodes/compression_allreduce.json has the links' fits)."""
     data = json.loads((out / "compression.json").read_text())
     settings, rows = data["settings"], data["rows"]
     links = [link for link in LINKS if any(r["link"] == link for r in rows)]
     compressions = [c for c in COMPRESSIONS if any(r["compression"] == c for r in rows)]
+    fits_file = out / "allreduce-nodes" / "compression_allreduce.json"
+    fits = json.loads(fits_file.read_text())["fits"] if fits_file.exists() else {}
     lines = ["# Gradient compression on slow links: 2 simulated nodes x 1 rank, Atari preset", "",
              f"Weak-scaling efficiency = SPS of 1 rank on each of 2 simulated nodes / (2 x SPS of 1 rank alone, "
              f"uncompressed, in runs bracketing each link's group). {settings['envs_per_rank']} envs x 128 steps per rank and iteration, 1 CPU "
@@ -122,6 +168,8 @@ def write_report(out: Path) -> None:
              + " Nothing else ran on the machine.", "",
              f"Command: `{settings['command']}` ({settings['seconds']} s)", "",
              *table(rows, links, compressions), ""]
+    if fits:
+        lines += projection_lines(rows, settings, {link: fit for link, fit in fits.items() if link in links})
     (out / "compression.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -5,7 +5,7 @@ reduced by each compression on 2, 4 and 8 simulated nodes of 1 rank.
 
 slurm/sim_cluster.sh starts 8 nodes (network namespaces, a slurmd each, MPI over TCP). A 2-rank
 allreduce sweep on one node gives the model's per-collective constant c; for each link rate, a
-sweep across 2 nodes gives the link's alpha and bandwidth (hvd_rl.projection.fit_allreduce /
+sweep across 2 nodes gives the link's alpha and bandwidth (hvd_rl.analysis.projection.fit_allreduce /
 cost_model, as the scaling report builds its model). benchmarks/allreduce.py --compressions then
 reduces the real gradient on 2, 4 and 8 nodes with none, fp16, topk and powersgd, and each
 measured time stands beside the model's prediction: the model's communication time for the bytes
@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compression import BIN, CLUSTER, COMPRESSIONS, LINKS, REPO, cluster, cluster_env  # noqa: E402
 
-from hvd_rl import projection as P  # noqa: E402
+from hvd_rl.analysis import projection as P  # noqa: E402
 
 BENCH = REPO / "benchmarks" / "allreduce.py"
 # Open MPI's tuned collectives pick an allreduce algorithm by size and rank count (not always the

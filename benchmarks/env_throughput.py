@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from hvd_rl.config import EnvConfig  # noqa: E402
-from hvd_rl.envs import RankEnvs, is_atari  # noqa: E402
+from hvd_rl.envs.ids import is_atari  # noqa: E402
+from hvd_rl.envs.vector import RankEnvs  # noqa: E402
 
 
 def measure(cfg: EnvConfig, threads: int, steps: int) -> float:

@@ -1,7 +1,7 @@
 """Why one rank stays below its one-core limit: a forward pass is slower when it does not follow
 another forward pass.
 
-    python benchmarks/interleave.py --out benchmarks/results/interleave.json
+    python benchmarks/interleave.py --out benchmarks/results/throughput/interleave.json
 
 The machine limit in `benchmarks/throughput.py` adds up each part's rate measured alone, in a
 loop that repeats that one part. The rollout cannot: every inference step follows an env step.
@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from hvd_rl.config import load_config, validate  # noqa: E402
-from hvd_rl.envs import env_seeds  # noqa: E402
-from hvd_rl.rollout import RolloutBuffer, RolloutCollector  # noqa: E402
+from hvd_rl.envs.vector import env_seeds  # noqa: E402
+from hvd_rl.algorithms.rollout import RolloutBuffer, RolloutCollector  # noqa: E402
 from throughput import one_thread_rank, repo_relative  # noqa: E402  (this script's folder is on sys.path)
 
 GAP_S = 0.003

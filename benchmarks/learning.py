@@ -39,10 +39,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hvd_rl.learning import (LAST_N, Aggregate, Curve, Reference, ReferenceData, RunStats,  # noqa: E402
+from hvd_rl.analysis.learning import (LAST_N, Aggregate, Curve, Reference, ReferenceData, RunStats,  # noqa: E402
                              aggregate, load_references, run_curve, run_stats)
-from hvd_rl.metrics import format_duration, read_jsonl  # noqa: E402
-from hvd_rl.study import (Experiment, Plan, PlanError, RunSpec, config_conflicts, is_completed,  # noqa: E402
+from hvd_rl.runtime.metrics import format_duration, read_jsonl  # noqa: E402
+from hvd_rl.analysis.study import (Experiment, Plan, PlanError, RunSpec, config_conflicts, is_completed,  # noqa: E402
                           is_started, load_plan)
 
 VENV_BIN = Path(sys.executable).parent
@@ -105,7 +105,7 @@ def launch(spec: RunSpec, out: Path, interrupts: Interrupts) -> int:
     with open(spec.log_file, "a") as log:
         log.write(f"\n[learning] {_now()} {shlex.join(cmd)}\n")
         log.flush()
-        from hvd_rl.launch import mpi_env
+        from hvd_rl.cluster.launch import mpi_env
 
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=mpi_env(),
                                 start_new_session=True)
@@ -380,7 +380,8 @@ def _verdict(ok: bool | None) -> str:
     return "pending" if ok is None else ("PASS" if ok else "**MISS**")
 
 
-def _markdown(plan: Plan, out: Path, results: list[ExperimentResult], refs_path: Path) -> str:
+def _markdown(plan: Plan, out: Path, results: list[ExperimentResult], refs_path: Path,
+              clips: dict[str, str | None] | None = None) -> str:
     lines = [f"# Learning benchmark: {plan.name}", ""]
     if plan.description:
         lines += [plan.description, ""]
@@ -414,8 +415,10 @@ def _markdown(plan: Plan, out: Path, results: list[ExperimentResult], refs_path:
                   f"{r.env_id}, {exp.algorithm}, config `{exp.config}`"
                   + (f" with `{' '.join(exp.overrides)}`" if exp.overrides else "")
                   + f"; {r.batch_text[1]}; "
-                  f"{exp.steps:,} global steps per seed.", "", f"![{exp.name}]({exp.name}.png)", "",
-                  f"| seed | status | global steps | games | last-{LAST_N} return | wall time | train time | SPS "
+                  f"{exp.steps:,} global steps per seed.", "", f"![{exp.name}]({exp.name}.png)", ""]
+        if (clips or {}).get(exp.name):
+            lines += [f"![{exp.name}: the final policy]({exp.name}-agent.gif)", "", clips[exp.name], ""]
+        lines += [f"| seed | status | global steps | games | last-{LAST_N} return | wall time | train time | SPS "
                   "| curve from |", "|---|---|---|---|---|---|---|---|---|"]
         for run in r.runs:
             c, s = run.curve, run.stats
@@ -493,17 +496,48 @@ def _json(results: list[ExperimentResult]) -> dict:
     return {"kind": "hvd_rl.learning_report", "experiments": out}
 
 
+CLIP_FRAMES = 300  # 20 s of Atari at 15 frames/s
+
+
+def _clip(result: ExperimentResult, report: Path) -> str | None:
+    """A GIF of one greedy game (its first CLIP_FRAMES frames) of the final policy of the first
+    completed seed whose checkpoint is here: <experiment>-agent.gif beside the plots. Kept from an
+    earlier report where the checkpoints are gone (committed results keep no checkpoints).
+    Returns the caption, or None when there is no clip."""
+    from hvd_rl.policy.video import record_checkpoint
+
+    gif = report / f"{result.experiment.name}-agent.gif"
+    caption_file = gif.with_suffix(".txt")
+    for run in result.runs:
+        checkpoint = run.spec.run_dir / "checkpoints" / "latest.pt"
+        if run.stats.status != "completed" or not checkpoint.exists():
+            continue
+        try:
+            clip = record_checkpoint(checkpoint, gif=gif, episodes=1, max_frames=CLIP_FRAMES)
+        except Exception as exc:  # noqa: BLE001 - a report without its clip beats no report
+            print(f"[learning] {result.experiment.name}: no clip ({type(exc).__name__}: {exc})", flush=True)
+            return None
+        game = (f"a whole game, return {clip['returns'][0]:g}" if clip["complete"]
+                else f"the first {clip['frames']} frames of a game")
+        caption_file.write_text(f"The final policy of seed {run.spec.seed} (global step {clip['global_step']:,}), "
+                                f"greedy: {game}.\n")
+        return caption_file.read_text().strip()
+    return caption_file.read_text().strip() if gif.exists() and caption_file.exists() else None
+
+
 def write_report(plan: Plan, out: Path, refs_path: Path | None = None, extra: list[str] | tuple[str, ...] = ()) -> Path:
-    from hvd_rl.learning import REFERENCES_FILE
+    from hvd_rl.analysis.learning import REFERENCES_FILE
 
     refs_path = Path(refs_path or REFERENCES_FILE)
     results = collect(plan, out, load_references(refs_path), extra)
     report = out / "report"
     report.mkdir(parents=True, exist_ok=True)
+    clips = {}
     for result in results:
         _figure([result], report / f"{result.experiment.name}.png")
+        clips[result.experiment.name] = _clip(result, report)
     _figure(results, report / "overview.png")
-    (report / "report.md").write_text(_markdown(plan, out, results, refs_path) + "\n")
+    (report / "report.md").write_text(_markdown(plan, out, results, refs_path, clips) + "\n")
     (report / "report.json").write_text(json.dumps(_json(results), indent=1) + "\n")
     return report / "report.md"
 

@@ -1,6 +1,6 @@
 """How ranks should wait for each other: launch variants of the 2-rank Atari preset, one run.
 
-    python benchmarks/runtime_settings.py --out benchmarks/results/runtime_settings.json
+    python benchmarks/runtime_settings.py --out benchmarks/results/throughput/runtime_settings.json
 
 Compares Open MPI's and Horovod's own defaults (busy-polling MPI, 1 ms Horovod cycle) with
 Open MPI's yield_when_idle, longer and shorter Horovod cycle times, fp16 gradient compression,
@@ -9,7 +9,7 @@ process binding, Horovod's background thread affinity and the Gloo controller (h
 gives the median SPS over rounds and the ratio to the project default measured in the same
 rounds. The chosen defaults live in
 `distributed.mpi_yield_when_idle` and `distributed.cycle_time_ms` and are put into the
-environment by the trainer itself before MPI starts (hvd_rl.distributed.apply_runtime_settings).
+environment by the trainer itself before MPI starts (hvd_rl.runtime.distributed.apply_runtime_settings).
 """
 from __future__ import annotations
 

@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from hvd_rl.config import load_config  # noqa: E402
-from hvd_rl.launch import mpi_env  # noqa: E402
-from hvd_rl.projection import interconnect_from_environment  # noqa: E402
+from hvd_rl.cluster.launch import mpi_env  # noqa: E402
+from hvd_rl.analysis.projection import interconnect_from_environment  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 

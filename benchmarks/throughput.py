@@ -1,6 +1,6 @@
 """Trainer throughput against the machine's limit, and weak scaling, measured in one run.
 
-    python benchmarks/throughput.py --np 2 --out benchmarks/results/throughput_atari_2ranks.json
+    python benchmarks/throughput.py --np 2 --out benchmarks/results/throughput/throughput_atari_2ranks_runN.json
     python benchmarks/throughput.py --combine RUN1.json RUN2.json   # medians over both runs' rounds
 
 Each round runs, one after the other with nothing else on the machine:
@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from hvd_rl.config import load_config, validate  # noqa: E402
-from hvd_rl.launch import mpi_env  # noqa: E402
+from hvd_rl.cluster.launch import mpi_env  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 PHASES = ("time_env", "time_inference", "time_update", "time_allreduce", "time_wait", "time_iteration")
@@ -52,14 +52,14 @@ PHASES = ("time_env", "time_inference", "time_update", "time_allreduce", "time_w
 
 def one_thread_rank(cfg):
     """A rank's envs and model as the trainer sets them up for one compute thread on CPU: freed
-    memory kept (hvd_rl/heap.py), the configured env backend, the model at the configured
+    memory kept (hvd_rl/runtime/heap.py), the configured env backend, the model at the configured
     precision. Returns (envs, model)."""
     import torch
 
-    from hvd_rl.envs import RankEnvs
-    from hvd_rl.heap import retain_freed_memory
-    from hvd_rl.models import build_model
-    from hvd_rl.precision import precision_for
+    from hvd_rl.envs.vector import RankEnvs
+    from hvd_rl.runtime.heap import retain_freed_memory
+    from hvd_rl.algorithms.models import build_model
+    from hvd_rl.runtime.precision import precision_for
 
     torch.set_num_threads(1)
     if cfg.distributed.retain_freed_memory:
@@ -76,10 +76,10 @@ def run_probes(cfg, steps: int) -> dict[str, float]:
     import numpy as np
     import torch
 
-    from hvd_rl import distributed as dist
-    from hvd_rl.envs import env_seeds
-    from hvd_rl.models import InferencePolicy
-    from hvd_rl.rollout import RolloutBuffer
+    from hvd_rl.runtime import distributed as dist
+    from hvd_rl.envs.vector import env_seeds
+    from hvd_rl.algorithms.models import InferencePolicy
+    from hvd_rl.algorithms.rollout import RolloutBuffer
 
     dist.init(cfg.distributed.mpi_yield_when_idle, cfg.distributed.cycle_time_ms)
     envs, model = one_thread_rank(cfg)
@@ -125,7 +125,7 @@ def learner_samples_per_s(cfg, model, obs_slots, n_actions: int, rng, updates: i
     import numpy as np
     import torch
 
-    from hvd_rl import distributed as dist
+    from hvd_rl.runtime import distributed as dist
     from hvd_rl.algorithms.ppo import Batch, PPOLearner
 
     device = obs_slots.device

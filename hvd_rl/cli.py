@@ -1,4 +1,4 @@
-"""`hvd-rl` command line: train, evaluate, doctor, report, slurm.
+"""`hvd-rl` command line: train, evaluate (and record), export, doctor, report, slurm, k8s, aws-batch.
 
 The same `hvd-rl train` runs alone, under horovodrun (MPI or Gloo), mpirun or srun: Horovod
 finds the ranks from whichever launcher started it.
@@ -13,8 +13,10 @@ from typing import Sequence
 TRAIN_EPILOG = """\
 exit codes (the same on every rank):
   0   finished: total_timesteps reached, final checkpoint written
+  1   unexpected error (a bug, a crashed rank)
   2   bad input: config, environment id, checkpoint or run directory (one message, nothing damaged)
   3   NaN/Inf loss: all ranks stopped; the last good checkpoint is untouched
+  4   a peer rank stopped answering for distributed.peer_timeout seconds (a node lost)
   75  preempted (SIGTERM/SIGUSR1): checkpoint written; rerun with --resume auto
 
 examples:
@@ -24,6 +26,26 @@ examples:
   srun --mpi=pmix hvd-rl train --config configs/atari_ppo.toml --resume auto
   horovodrun -np 3 --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh hvd-rl train --elastic ...
 """
+
+
+def _train_epilog() -> str:
+    """The exit codes and examples, after the config's sections and their fields."""
+    import dataclasses
+    import textwrap
+
+    from hvd_rl.config import TrainConfig, section_classes
+
+    sections = section_classes()
+    top = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in sections]
+    lines = ["config (TOML sections; set any field with --set section.field=value; every field, its default and",
+             "its rules: docs/reference/config.md; --check-config prints the resolved config):",
+             f"  top level     {', '.join(top)}"]
+    for name, cls in sections.items():
+        fields = ", ".join(f.name for f in dataclasses.fields(cls))
+        wrapped = textwrap.wrap(fields, width=84)
+        lines.append(f"  [{name}]".ljust(16) + wrapped[0])
+        lines += [" " * 16 + more for more in wrapped[1:]]
+    return "\n".join(lines) + "\n\n" + TRAIN_EPILOG
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -36,11 +58,14 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hvd-rl", description="Distributed PPO with Horovod for Atari and Gymnasium.")
+    from hvd_rl import __version__
+
+    parser.add_argument("--version", action="version", version=f"hvd-rl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = sub.add_parser("train", help="train a PPO agent (any launcher, or none)",
                            description="Train a PPO agent; every rank runs its own environments.",
-                           epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                           epilog=_train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_args(train)
     train.add_argument("--resume", metavar="auto|PATH",
                        help="'auto': newest valid checkpoint in the run directory (fresh start if "
@@ -50,15 +75,29 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--check-config", action="store_true",
                        help="validate the config, print it resolved, and exit")
 
-    evaluate = sub.add_parser("evaluate", help="run a checkpoint's policy and print a JSON summary",
-                              description="Evaluate a checkpoint on fresh episodes (single process).")
+    evaluate = sub.add_parser("evaluate", help="run a checkpoint's policy (or record it) and print a JSON summary",
+                              description="Evaluate a checkpoint on fresh episodes (single process). With "
+                                          "--video/--gif, record greedy episodes from the environment's screen.")
     evaluate.add_argument("--checkpoint", required=True, help="checkpoint file, e.g. runs/x/checkpoints/latest.pt")
-    evaluate.add_argument("--episodes", type=int, default=10, help="episodes to finish (default 10)")
+    evaluate.add_argument("--episodes", type=int, help="episodes to finish (default 10; 1 when recording)")
+    evaluate.add_argument("--video", metavar="FILE.mp4", help="record greedy episodes into this H.264 video")
+    evaluate.add_argument("--gif", metavar="FILE.gif", help="record greedy episodes into this animated GIF")
+    evaluate.add_argument("--max-frames", type=int, default=27_000,
+                          help="stop recording after this many frames (default 27000: 30 min of Atari)")
     evaluate.add_argument("--num-envs", type=int, default=0, help="parallel envs (default min(episodes, 8))")
     evaluate.add_argument("--seed", type=int, default=10_000, help="first environment seed")
     evaluate.add_argument("--greedy", action="store_true", help="argmax actions instead of sampling")
     evaluate.add_argument("--set", dest="overrides", action="append", default=[],
                           metavar="SECTION.KEY=VALUE", help="override the checkpoint's env config")
+
+    export = sub.add_parser("export", help="export a checkpoint's policy network (ONNX or TorchScript)",
+                            description="Export the policy network for use without hvd_rl: observations in "
+                                        "(preprocessing included), logits / Gaussian mean / Q-values out.")
+    export.add_argument("--checkpoint", required=True, help="checkpoint file, e.g. runs/x/checkpoints/latest.pt")
+    export.add_argument("--format", choices=["onnx", "torchscript"], default="onnx")
+    export.add_argument("--out", required=True, help="the file to write, e.g. policy.onnx")
+    export.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="override the checkpoint's env config")
 
     doctor = sub.add_parser("doctor", help="check the installation and run a 2-rank allreduce",
                             description="Report versions and capabilities; exit 0 only if all "
@@ -77,9 +116,26 @@ def build_parser() -> argparse.ArgumentParser:
     slurm_sub = slurm.add_subparsers(dest="slurm_command", required=True, metavar="ACTION")
     render = slurm_sub.add_parser("render", help="write an sbatch script",
                                   description="Write a ready-to-submit sbatch script.")
-    from hvd_rl.slurm import add_render_arguments
+    from hvd_rl.cluster.slurm import add_render_arguments
 
     add_render_arguments(render)
+
+    k8s = sub.add_parser("k8s", help="render a Kubeflow MPIJob for Kubernetes",
+                         description="Render a Kubeflow MPI Operator v2beta1 MPIJob (and its run-directory "
+                                     "claim) from deploy/kubernetes/mpijob.yaml.")
+    k8s_sub = k8s.add_subparsers(dest="k8s_command", required=True, metavar="ACTION")
+    from hvd_rl.cluster import k8s as k8s_render
+
+    k8s_render.add_render_arguments(k8s_sub.add_parser("render", help="write an MPIJob manifest",
+                                                       description="Write a ready-to-apply MPIJob manifest."))
+
+    batch = sub.add_parser("aws-batch", help="this node's part of an AWS Batch multi-node parallel job",
+                           description="Run on every node of an AWS Batch multi-node parallel job (the image's "
+                                       "entry point does): the main node runs COMMAND under mpirun across all "
+                                       "nodes, every node exits with its code. Settings: HVD_RL_RANKS_PER_NODE, "
+                                       "HVD_RL_NODE_WAIT_S, HVD_RL_RENDEZVOUS_PORT, HVD_RL_SSH_PORT, HVD_RL_MPIRUN_ARGS.")
+    batch.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                       help="what the ranks run, e.g. -- hvd-rl train --config configs/atari_ppo.toml")
     return parser
 
 
@@ -184,7 +240,7 @@ def error_exit(message: str, code: int, agreed: bool = False) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from hvd_rl.config import ConfigError
-    from hvd_rl import runtime as R
+    from hvd_rl.runtime import trainer as R
 
     try:
         cfg = _load_train_config(args)  # before hvd.init: a bad config fails the same on every rank
@@ -194,10 +250,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(cfg.to_toml(), end="")
         return 0
     from hvd_rl.algorithms.base import UnsupportedSetup
-    from hvd_rl.checkpoint import CheckpointError
-    from hvd_rl.distributed import CollectiveError, LaunchError
-    from hvd_rl.models import ModelError
-    from hvd_rl.precision import PrecisionError
+    from hvd_rl.runtime.checkpoint import CheckpointError
+    from hvd_rl.runtime.distributed import CollectiveError, LaunchError
+    from hvd_rl.algorithms.models import ModelError
+    from hvd_rl.runtime.precision import PrecisionError
 
     try:
         # Errors before the first collective (config, model/observation mismatch, precision,
@@ -222,13 +278,35 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
-    from hvd_rl.checkpoint import CheckpointError
+    from hvd_rl.runtime.checkpoint import CheckpointError
     from hvd_rl.config import ConfigError
-    from hvd_rl.evaluate import evaluate_checkpoint
+    from hvd_rl.policy.evaluate import evaluate_checkpoint
+
+    from hvd_rl.policy.video import record_checkpoint
 
     try:
-        summary = evaluate_checkpoint(args.checkpoint, episodes=args.episodes, num_envs=args.num_envs,
-                                      seed=args.seed, greedy=args.greedy, overrides=args.overrides)
+        if args.video or args.gif:
+            summary = record_checkpoint(args.checkpoint, video=args.video, gif=args.gif,
+                                        episodes=args.episodes or 1, seed=args.seed, max_frames=args.max_frames,
+                                        overrides=args.overrides, note=lambda text: print(f"[hvd_rl] {text}"))
+        else:
+            summary = evaluate_checkpoint(args.checkpoint, episodes=args.episodes or 10, num_envs=args.num_envs,
+                                          seed=args.seed, greedy=args.greedy, overrides=args.overrides)
+    except (CheckpointError, ConfigError, ValueError) as exc:
+        return error_exit(str(exc), 2)
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import json
+
+    from hvd_rl.config import ConfigError
+    from hvd_rl.policy.export import export_checkpoint
+    from hvd_rl.runtime.checkpoint import CheckpointError
+
+    try:
+        summary = export_checkpoint(args.checkpoint, args.out, args.format, overrides=args.overrides)
     except (CheckpointError, ConfigError, ValueError) as exc:
         return error_exit(str(exc), 2)
     print(json.dumps(summary))
@@ -236,13 +314,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from hvd_rl.doctor import run_doctor
+    from hvd_rl.cluster.doctor import run_doctor
 
     return run_doctor(num_ranks=args.np, timeout=args.timeout)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from hvd_rl.report import ReportError, write_report
+    from hvd_rl.analysis.report import ReportError, write_report
 
     try:
         path = write_report(args.results, args.out, title=args.title)
@@ -252,19 +330,44 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_slurm(args: argparse.Namespace) -> int:
-    from hvd_rl.slurm import SlurmRenderError, render_from_args
+def _render(render_from_args, args: argparse.Namespace) -> int:
+    """A renderer's run: the written file's path, or its one-line refusal (exit 2)."""
+    from hvd_rl.cluster.rendering import RenderError
 
     try:
         path = render_from_args(args)
-    except SlurmRenderError as exc:
+    except RenderError as exc:
         return error_exit(str(exc), 2)
     print(path)
     return 0
 
 
-COMMANDS = {"train": cmd_train, "evaluate": cmd_evaluate, "doctor": cmd_doctor,
-            "report": cmd_report, "slurm": cmd_slurm}
+def cmd_slurm(args: argparse.Namespace) -> int:
+    from hvd_rl.cluster.slurm import render_from_args
+
+    return _render(render_from_args, args)
+
+
+def cmd_k8s(args: argparse.Namespace) -> int:
+    from hvd_rl.cluster.k8s import render_from_args
+
+    return _render(render_from_args, args)
+
+
+def cmd_aws_batch(args: argparse.Namespace) -> int:
+    from hvd_rl.cluster.aws_batch import BatchSetupError, run
+
+    command = list(args.command_line)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    try:
+        return run(command)
+    except BatchSetupError as exc:
+        return error_exit(f"aws-batch: {exc}", 2)
+
+
+COMMANDS = {"train": cmd_train, "evaluate": cmd_evaluate, "export": cmd_export, "doctor": cmd_doctor,
+            "report": cmd_report, "slurm": cmd_slurm, "k8s": cmd_k8s, "aws-batch": cmd_aws_batch}
 
 
 def _exit_now(code: int) -> None:

@@ -1,7 +1,8 @@
 """What combines with what: the option space the combination matrix runs (tests/test_option_matrix.py)
-and the README's table, both derived from the rules `config.validate()` enforces.
+and the table of refused pairs in the README and the docs' configuration reference, all derived from
+the rules `config.validate()` enforces.
 
-    python -m hvd_rl.combinations      # prints the README's table
+    python -m hvd_rl.combinations      # prints the table
 
 A pair of option values is refused when `validate()` refuses it with every other option at its
 most permissive value (the first of its list); the table names the rule that refuses it.

@@ -43,18 +43,18 @@ _INT_RANGE = 2 ** 63  # every integer setting ends up in numpy/torch/C (int64)
 
 @dataclass
 class EnvConfig:
-    id: str = "CartPole-v1"
+    id: str = "CartPole-v1"  # a registered Gymnasium id, e.g. ALE/Breakout-v5, Hopper-v5
     # sync | async (Gymnasium vector envs) | ale_vector (ale-py's C++ AtariVectorEnv, Atari only)
     backend: str = "sync"
     num_envs: int = 4  # per rank
     # Atari preprocessing (used only for ALE environments): CleanRL's ppo_atari recipe.
     frame_skip: int = 4
-    frame_stack: int = 4
-    noop_max: int = 30
-    screen_size: int = 84
-    episodic_life: bool = True
-    fire_reset: bool = True
-    clip_rewards: bool = True
+    frame_stack: int = 4  # frames stacked into one observation
+    noop_max: int = 30  # up to this many random no-op frames after each reset
+    screen_size: int = 84  # frames resized to screen_size x screen_size grayscale
+    episodic_life: bool = True  # a lost life ends the episode for training (not for the score)
+    fire_reset: bool = True  # press FIRE after a reset and a lost life, where the game needs it
+    clip_rewards: bool = True  # train on the sign of the reward
     repeat_action_probability: float = 0.0  # sticky actions at the ALE level (0 = NoFrameskip-v4)
     max_episode_steps: int = 0  # 0 = the environment's own limit
     env_threads: int = 0  # ale_vector: envs stepped at once (C++ threads); 0 = this rank's CPU threads
@@ -63,32 +63,32 @@ class EnvConfig:
 @dataclass
 class ModelConfig:
     kind: str = "auto"  # auto (nature_cnn for image observations, mlp otherwise) | nature_cnn | mlp
-    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
+    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])  # mlp layers (actor and critic each)
 
 
 @dataclass
 class PPOConfig:
     total_timesteps: int = 500_000  # global environment steps, all ranks together
     num_steps: int = 128  # rollout length per environment
-    learning_rate: float = 2.5e-4
-    adam_eps: float = 1e-5
-    anneal_lr: bool = True
+    learning_rate: float = 2.5e-4  # Adam step size (annealed linearly to 0 when anneal_lr)
+    adam_eps: float = 1e-5  # Adam epsilon (CleanRL: 1e-5)
+    anneal_lr: bool = True  # linear learning-rate decay over anneal_timesteps
     # Horizon of the linear annealing, in global steps; 0 = total_timesteps. Set it to a longer
     # run's length to reproduce that run's curve up to an earlier step (e.g. CleanRL's 10M
     # schedule, stopped at 1M).
     anneal_timesteps: int = 0
-    gamma: float = 0.99
-    gae_lambda: float = 0.95
-    num_minibatches: int = 4
-    update_epochs: int = 4
-    norm_adv: bool = True
+    gamma: float = 0.99  # discount
+    gae_lambda: float = 0.95  # GAE lambda
+    num_minibatches: int = 4  # minibatches per epoch (each an allreduce of the gradient)
+    update_epochs: int = 4  # passes over the rollout per iteration
+    norm_adv: bool = True  # normalise advantages per minibatch
     # Normalise advantages with allreduced (global) minibatch statistics, so N ranks compute the
     # same update as one process on the whole batch. False uses each rank's local statistics.
     global_advantage_norm: bool = True
-    clip_coef: float = 0.2
-    clip_vloss: bool = True
-    ent_coef: float = 0.01
-    vf_coef: float = 0.5
+    clip_coef: float = 0.2  # PPO's policy-ratio clip
+    clip_vloss: bool = True  # clip the value loss as CleanRL does
+    ent_coef: float = 0.01  # entropy bonus weight
+    vf_coef: float = 0.5  # value loss weight
     max_grad_norm: float = 0.5  # 0 disables clipping
     target_kl: float = 0.0  # 0 disables KL early stopping
     backward_passes_per_step: int = 1  # micro-batches per minibatch, one allreduce per minibatch
@@ -105,15 +105,15 @@ class DQNConfig:
     """CleanRL's dqn.py defaults (CartPole); configs/atari_dqn.toml has dqn_atari.py's."""
 
     total_timesteps: int = 500_000  # global environment steps, all ranks together
-    learning_rate: float = 2.5e-4
-    adam_eps: float = 1e-8
+    learning_rate: float = 2.5e-4  # Adam step size
+    adam_eps: float = 1e-8  # Adam epsilon
     buffer_size: int = 10_000  # transitions over all ranks; each rank's shard holds its share
-    gamma: float = 0.99
+    gamma: float = 0.99  # discount
     tau: float = 1.0  # target network update rate (1 = hard copy)
     target_network_frequency: int = 500  # global env steps between target updates
     batch_size: int = 128  # samples per gradient update over all ranks (each rank draws its share)
-    start_e: float = 1.0
-    end_e: float = 0.05
+    start_e: float = 1.0  # epsilon at the start
+    end_e: float = 0.05  # epsilon after exploration_fraction of the run
     exploration_fraction: float = 0.5  # of total_timesteps to anneal epsilon over
     learning_starts: int = 10_000  # global env steps of experience before learning (also after a
     #                                resume without the replay shards: they refill first)
@@ -121,15 +121,15 @@ class DQNConfig:
     steps_per_iteration: int = 1000  # global env steps per iteration (one metrics row)
     max_grad_norm: float = 0.0  # 0: no clipping (CleanRL)
     apex_epsilon: bool = False  # Ape-X: env i of N explores with eps^(1 + alpha i / (N - 1))
-    apex_base_epsilon: float = 0.4
-    apex_alpha: float = 7.0
+    apex_base_epsilon: float = 0.4  # Ape-X: eps
+    apex_alpha: float = 7.0  # Ape-X: alpha
     checkpoint_replay: bool = False  # also write each rank's replay shard at every checkpoint
 
 
 @dataclass
 class DistributedConfig:
     reduction: str = "average"  # average | adasum
-    # none | fp16 (Horovod's) | powersgd | topk (hvd_rl/compression.py: error feedback, for slow links)
+    # none | fp16 (Horovod's) | powersgd | topk (hvd_rl/runtime/compression.py: error feedback, for slow links)
     compression: str = "none"
     powersgd_rank: int = 4  # rank of PowerSGD's low-rank approximation
     topk_ratio: float = 0.01  # fraction of the gradient entries top-k sends
@@ -142,16 +142,16 @@ class DistributedConfig:
     # variable set by the user or launcher takes precedence over these.
     mpi_yield_when_idle: bool = True  # OMPI_MCA_mpi_yield_when_idle
     # HOROVOD_CYCLE_TIME, set explicitly (so runs record it); 0 = leave Horovod's default (1 ms).
-    # 1 ms beat 2 ms in 10 of 12 rotated rounds (benchmarks/results/runtime_settings_cycle1.txt).
+    # 1 ms beat 2 ms in 10 of 12 rotated rounds (benchmarks/results/throughput/runtime_settings_cycle1.txt).
     cycle_time_ms: float = 1.0
     # HOROVOD_HIERARCHICAL_ALLREDUCE=1: reduce within each node, then across nodes. Horovod applies
     # it only to NCCL (GPU) allreduces across several nodes; summary.json says whether it was active.
     hierarchical_allreduce: bool = False
     # Keep freed memory in the process instead of returning it to the OS between iterations
-    # (hvd_rl/heap.py): measured, PPO updates 1.3 s -> 0.95 s without ~155K page faults each.
+    # (hvd_rl/runtime/heap.py): measured, PPO updates 1.3 s -> 0.95 s without ~155K page faults each.
     retain_freed_memory: bool = True
     verify_every: int = 0  # check parameters agree across ranks every K iterations (0: at the end)
-    # Environments per rank in proportion to each rank's measured speed (hvd_rl/balance.py):
+    # Environments per rank in proportion to each rank's measured speed (hvd_rl/runtime/balance.py):
     # off | static (decide once, after the first window) | dynamic (every balance_every iterations)
     balance: str = "off"
     # Environments per rank, one entry per rank, for nodes known to differ (empty: env.num_envs on
@@ -161,7 +161,7 @@ class DistributedConfig:
     balance_threshold: float = 0.05  # act only if the slowest rank gets at least this much faster
     balance_min_envs: int = 1  # environments every rank keeps
     elastic_min_np: int = 1  # informational for `hvd-rl train --elastic`; horovodrun enforces it
-    # Seconds without an answer from the other ranks (a heartbeat over Horovod, hvd_rl/watchdog.py)
+    # Seconds without an answer from the other ranks (a heartbeat over Horovod, hvd_rl/runtime/watchdog.py)
     # before a rank gives up and exits 4: a node that went silent (power, link) ends the job instead
     # of hanging in a collective. Must exceed the longest single allreduce/broadcast. 0: off.
     peer_timeout: float = 30.0
@@ -175,8 +175,16 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = True
-    console: bool = True
+    tensorboard: bool = True  # TensorBoard events in <run dir>/tb
+    console: bool = True  # one line per iteration on rank 0
+    # Weights & Biases from rank 0 (hvd_rl/runtime/tracking.py): TensorBoard's scalars, the config and
+    # the topology; one W&B run per run directory, continued by every resume and requeue.
+    wandb: bool = False
+    wandb_project: str = "hvd_rl"
+    wandb_entity: str = ""  # your W&B user or team (empty: the default of your W&B login)
+    wandb_group: str = ""  # groups runs in the W&B UI, e.g. one study
+    wandb_tags: list[str] = field(default_factory=list)
+    wandb_mode: str = "offline"  # offline (sync later: `wandb sync <run dir>/wandb/offline-run-*`) | online
 
 
 @dataclass
@@ -184,14 +192,14 @@ class DebugConfig:
     """Fault injection for the test suite; leave at defaults in real runs."""
 
     nan_at_iteration: int = 0  # make the loss NaN on `nan_rank` at this iteration (0: never)
-    nan_rank: int = 0
+    nan_rank: int = 0  # the rank whose loss nan_at_iteration spoils
     iteration_sleep: float = 0.0  # seconds of extra sleep per iteration (slows tiny jobs for tests)
 
 
 @dataclass
 class TrainConfig:
-    seed: int = 1
-    run_dir: str = "runs/default"
+    seed: int = 1  # base seed: every rank and environment derives its own from it
+    run_dir: str = "runs/default"  # output directory (--run-dir overrides it)
     algorithm: str = "ppo"  # ppo (discrete or continuous actions) | dqn
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -232,7 +240,7 @@ class TrainConfig:
 
 
 @functools.cache  # the classes never change; resolving their hints costs ~1 ms a call
-def _section_classes() -> dict[str, type]:
+def section_classes() -> dict[str, type]:
     hints = typing.get_type_hints(TrainConfig)
     return {name: tp for name, tp in hints.items() if dataclasses.is_dataclass(tp)}
 
@@ -306,7 +314,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 
 
 def _apply(cfg: TrainConfig, data: dict[str, Any], source: str) -> None:
-    sections = _section_classes()
+    sections = section_classes()
     top_types = {k: v for k, v in _field_types(TrainConfig).items() if k not in sections}
     for key, value in data.items():
         if key in sections:
@@ -373,9 +381,17 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
 
 BACKENDS = ("sync", "async", "ale_vector")
 ALGORITHMS = ("ppo", "dqn")
-AMP_MODES = ("off", "auto", "bf16", "fp16")  # see hvd_rl/precision.py
-COMPRESSIONS = ("none", "fp16", "powersgd", "topk")  # see hvd_rl/compression.py
+AMP_MODES = ("off", "auto", "bf16", "fp16")  # see hvd_rl/runtime/precision.py
+COMPRESSIONS = ("none", "fp16", "powersgd", "topk")  # see hvd_rl/runtime/compression.py
 MODEL_KINDS = ("auto", "nature_cnn", "mlp")
+WANDB_MODES = ("offline", "online")
+
+
+def _plain_name(text: str, empty_ok: bool, extra: str = "") -> bool:
+    """A W&B project/entity/group name or tag: what W&B's UI and URLs take, one short line."""
+    limit = 64 if extra else 128
+    return (empty_ok or bool(text)) and len(text) <= limit and all(c.isascii() and (c.isalnum() or c in "-_." + extra)
+                                                                   for c in text)
 
 
 def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
@@ -495,6 +511,18 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
              "(Adasum does not weight ranks by their share)")
     need(d.peer_timeout >= 0, f"distributed.peer_timeout must be >= 0 (0: off), got {d.peer_timeout}")
     need(d.elastic_min_np >= 1, f"distributed.elastic_min_np must be >= 1, got {d.elastic_min_np}")
+    lg = cfg.logging
+    if lg.wandb:
+        import importlib.util
+
+        need(importlib.util.find_spec("wandb") is not None,
+             "logging.wandb = true needs the wandb package: pip install 'hvd_rl[tools]' (scripts/setup.sh installs it)")
+    need(lg.wandb_mode in WANDB_MODES, f"logging.wandb_mode must be one of {WANDB_MODES}, got {lg.wandb_mode!r}")
+    for name in ("wandb_project", "wandb_entity", "wandb_group"):
+        need(_plain_name(getattr(lg, name), empty_ok=name != "wandb_project"),
+             f"logging.{name} must be letters, digits and - _ . (at most 128), got {getattr(lg, name)!r}")
+    need(all(_plain_name(t, empty_ok=False, extra=" :/=+") for t in lg.wandb_tags),
+         f"logging.wandb_tags must be short printable names (at most 64 each), got {lg.wandb_tags!r}")
     need(cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
     need(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
     need(cfg.debug.nan_at_iteration >= 0, "debug.nan_at_iteration must be >= 0")
@@ -503,7 +531,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     need(cfg.seed >= 0, f"seed must be >= 0 (NumPy's and Gymnasium's seeding refuse negative ones), got {cfg.seed}")
 
     # The env id last: it imports Gymnasium and ale-py, and only matters when the rest is sane.
-    from hvd_rl.envs import check_env_id  # local import keeps config importable without gym
+    from hvd_rl.envs.ids import check_env_id  # local import keeps config importable without gym
 
     env_problem = check_env_id(e.id, e.backend)
     if env_problem:

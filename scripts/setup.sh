@@ -3,6 +3,7 @@
 #
 #   scripts/setup.sh            # OpenMPI (apt, if mpirun is missing), .venv, torch, Horovod, hvd_rl
 #   scripts/setup.sh --slurm    # also the Debian SLURM + munge packages used by the SLURM tests
+#   scripts/setup.sh --containers  # also podman, runc and mmdebstrap (make image, the container tests)
 #   scripts/setup.sh --plan     # print what a run would install or rebuild, change nothing
 #
 # Environment knobs:
@@ -27,10 +28,12 @@ CACHE="${HVD_RL_CACHE:-$HOME/.cache/hvd_rl}"
 HOROVOD_VERSION=0.28.1
 PATCH="$REPO_ROOT/scripts/horovod-$HOROVOD_VERSION-cxx17.patch"
 WITH_SLURM=0
+WITH_CONTAINERS=0
 PLAN_ONLY=0
 for arg in "$@"; do
   case "$arg" in
     --slurm) WITH_SLURM=1 ;;
+    --containers) WITH_CONTAINERS=1 ;;
     --plan) PLAN_ONLY=1 ;;
     -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "setup.sh: unknown option '$arg' (try --help)" >&2; exit 2 ;;
@@ -89,8 +92,16 @@ fi
 if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null; then
   apt_install openmpi-bin libopenmpi-dev
 fi
+# Off-screen OpenGL (Mesa's EGL) for MuJoCo's pictures in `hvd-rl evaluate --video`; small, and
+# skipped where apt-get is missing (then set MUJOCO_GL to what the site has).
+if command -v apt-get >/dev/null; then apt_install libegl1 libgl1-mesa-dri; fi
 if [ "$WITH_SLURM" = 1 ]; then
   apt_install slurm-wlm munge slurm-wlm-basic-plugins libpmix-dev
+fi
+if [ "$WITH_CONTAINERS" = 1 ]; then
+  # podman builds and runs the image without a daemon; runc for hosts whose cgroups crun refuses;
+  # mmdebstrap makes the local Debian base (no registry needed); openssh-client for the tests' keys.
+  apt_install podman runc mmdebstrap uidmap openssh-client
 fi
 
 # 2. Virtual environment and PyTorch first (Horovod compiles against it).
@@ -139,9 +150,9 @@ if [ "${HOROVOD_GPU_OPERATIONS:-}" = NCCL ] && ! "$PY" -c "import sys, horovod.t
   exit 1
 fi
 
-# 4. The project itself, with the test extras.
+# 4. The project itself, with the extras: test (the suite), tools (W&B, videos, ONNX export), docs.
 log "installing hvd_rl (editable)"
-pip_install -e "$REPO_ROOT[test]"
+pip_install -e "$REPO_ROOT[test,tools,docs]"
 
 log "horovodrun --check-build"
 "$VENV/bin/horovodrun" --check-build | tee "$VENV/.hvd_rl_check_build"

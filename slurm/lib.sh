@@ -1,7 +1,7 @@
 # Shared by the hvd_rl SLURM templates (sourced from the batch script). Not meant to be edited:
 # site settings go in slurm/site_env.sh, job settings in the template or `hvd-rl slurm render`.
 
-# Exit code of `hvd-rl train` when it checkpointed after a preemption signal (see README).
+# Exit code of `hvd-rl train` when it checkpointed after a preemption signal (see docs/outputs.md).
 HVD_RL_PREEMPTED=75
 
 hvd_rl_prepare() {
@@ -19,13 +19,42 @@ hvd_rl_prepare() {
        "${SLURM_NTASKS} task(s), ${SLURM_CPUS_PER_TASK:-1} cpu(s)/task, launcher ${LAUNCHER}"
 }
 
+hvd_rl_container_command() {
+  # HVD_RL_CMD: what each rank runs for `hvd-rl`. With CONTAINER set, the image's hvd-rl: under
+  # Apptainer (the default runtime) `apptainer exec` with the submit directory bound at the same
+  # path (--nv on GPU templates); under pyxis srun itself enters the image (hvd_rl_launch). The
+  # ranks still get their PMIx/MPI wiring from srun or mpirun on the host.
+  HVD_RL_CMD=(hvd-rl)
+  [ -n "${CONTAINER:-}" ] || return 0
+  case "${CONTAINER_RUNTIME:-apptainer}" in
+    apptainer)
+      local nv=()
+      [ "${CONTAINER_GPU:-0}" = 1 ] && nv=(--nv)
+      HVD_RL_CMD=(apptainer exec ${nv[@]+"${nv[@]}"} --bind "$PWD" --pwd "$PWD" ${HVD_RL_APPTAINER_ARGS:-}
+                  "$CONTAINER" hvd-rl) ;;
+    pyxis)
+      if [ "$LAUNCHER" != srun ]; then
+        echo "[hvd_rl] CONTAINER_RUNTIME=pyxis needs LAUNCHER=srun (pyxis is an srun plugin)" >&2; return 2
+      fi ;;
+    *)
+      echo "[hvd_rl] unknown CONTAINER_RUNTIME '$CONTAINER_RUNTIME' (apptainer or pyxis)" >&2; return 2 ;;
+  esac
+}
+
 hvd_rl_launch() {
   # Replaces the calling (background) subshell with the launcher, so that a signal sent to
   # "$!" reaches srun/mpirun/horovodrun itself; the arguments are those of `hvd-rl`.
+  hvd_rl_container_command || return 2
+  if [ -n "${CONTAINER:-}" ] && [ "$LAUNCHER" = horovodrun ]; then
+    echo "[hvd_rl] CONTAINER needs LAUNCHER=srun or mpirun (horovodrun would run on the host)" >&2; return 2
+  fi
   case "$LAUNCHER" in
     srun)
+      local container_args=()
+      [ -n "${CONTAINER:-}" ] && [ "${CONTAINER_RUNTIME:-apptainer}" = pyxis ] && container_args=(
+        --container-image="$CONTAINER" --container-mounts="$PWD:$PWD" --container-workdir="$PWD")
       exec srun --mpi=pmix --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
-           ${HVD_RL_SRUN_ARGS:-} hvd-rl "$@" ;;
+           ${container_args[@]+"${container_args[@]}"} ${HVD_RL_SRUN_ARGS:-} "${HVD_RL_CMD[@]}" "$@" ;;
     mpirun)
       # Open MPI reads the SLURM allocation itself (one slot per task); the trainer sizes its
       # threads from SLURM_CPUS_PER_TASK, so no binding is imposed here.
@@ -36,7 +65,7 @@ hvd_rl_launch() {
       #   and the requeue below goes by the preempted.json marker.
       exec mpirun -np "${HVD_RL_NP:-$SLURM_NTASKS}" --bind-to none -x PATH -x LD_LIBRARY_PATH -x OMP_NUM_THREADS \
              -x SLURM_CPUS_PER_TASK -x HVD_RL_PREEMPTED_EXIT_CODE=0 \
-             --mca odls_base_sigkill_timeout "${HVD_RL_TERM_GRACE:-30}" ${HVD_RL_MPIRUN_ARGS:-} hvd-rl "$@" ;;
+             --mca odls_base_sigkill_timeout "${HVD_RL_TERM_GRACE:-30}" ${HVD_RL_MPIRUN_ARGS:-} "${HVD_RL_CMD[@]}" "$@" ;;
     horovodrun)
       # Gloo over ssh between nodes (horovodrun --gloo); slots per node from the allocation.
       local hosts

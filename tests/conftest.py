@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_rl.launch import mpi_env
+from hvd_rl.cluster.launch import mpi_env
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # the venv's bin: hvd-rl, horovodrun, python

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from hvd_rl.config import EnvConfig
-from hvd_rl.envs import RankEnvs, register_ale
+from hvd_rl.envs.ids import register_ale
+from hvd_rl.envs.vector import RankEnvs
 
 BACKENDS = ["ale_vector", "sync"]
 BREAKOUT_NO_FIRE = np.array([0, 2, 3])  # NOOP, RIGHT, LEFT: a policy that never presses FIRE

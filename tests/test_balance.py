@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import QUICK, check, mpirun_cmd, read_jsonl, run, train_cmd
-from hvd_rl.balance import Balancer, proportional_counts
-from hvd_rl.checkpoint import load_checkpoint
+from hvd_rl.runtime.balance import Balancer, proportional_counts
+from hvd_rl.runtime.checkpoint import load_checkpoint
 
 
 def test_proportional_counts_keep_the_total_and_the_minimum():

@@ -1,4 +1,4 @@
-"""PowerSGD and top-k gradient compression (hvd_rl/compression.py) on real ranks, in float64."""
+"""PowerSGD and top-k gradient compression (hvd_rl/runtime/compression.py) on real ranks, in float64."""
 import json
 
 import torch
@@ -31,7 +31,7 @@ def test_compressed_training_counts_bytes_and_resumes_with_its_residuals(tmp_pat
     sent (comm_bytes) against the uncompressed gradient, and the error-feedback state through a
     checkpoint (same rank count: restored; another: residuals restart at zero, the log says so)."""
     from conftest import QUICK, read_jsonl, train_cmd
-    from hvd_rl.checkpoint import load_checkpoint
+    from hvd_rl.runtime.checkpoint import load_checkpoint
 
     dense = {}
     for compression, min_ratio in (("none", 1.0), ("powersgd", 3.0), ("topk", 20.0)):

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from conftest import REPO
 from hvd_rl.config import ConfigError, TrainConfig, load_config, toml_string, validate
-from hvd_rl.slurm import TEMPLATES, SlurmRenderError, add_render_arguments, render_from_args, template_dir
+from hvd_rl.cluster.slurm import TEMPLATES, SlurmRenderError, add_render_arguments, render_from_args, template_dir
 
 EXAMPLES = int(os.environ.get("HVD_RL_FUZZ_EXAMPLES", "0")) or None
 

@@ -5,7 +5,7 @@ import json
 import numpy as np
 
 from conftest import REPO, check, mpirun_cmd, read_jsonl, run, train_cmd
-from hvd_rl.checkpoint import load_checkpoint
+from hvd_rl.runtime.checkpoint import load_checkpoint
 
 MUJOCO = REPO / "configs" / "mujoco_ppo.toml"
 QUICK = ["logging.tensorboard=false", "ppo.num_steps=64", "ppo.num_minibatches=4", "ppo.update_epochs=2"]
@@ -34,7 +34,7 @@ def test_hopper_mujoco_runs_with_clipped_actions(tmp_path):
     check(run(train_cmd(run_dir, *QUICK, "ppo.total_timesteps=256", config=MUJOCO), timeout=240))
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert rows[-1]["global_step"] == 256 and all(np.isfinite(r["policy_loss"]) for r in rows)
-    from hvd_rl.evaluate import evaluate_checkpoint
+    from hvd_rl.policy.evaluate import evaluate_checkpoint
 
     summary = evaluate_checkpoint(run_dir / "checkpoints" / "latest.pt", episodes=2, greedy=True)
     assert summary["episodes"] == 2 and np.isfinite(summary["mean_return"])

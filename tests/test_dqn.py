@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from conftest import (REPO, check, mpirun_cmd, read_jsonl, run, train_cmd)
-from hvd_rl import distributed as dist
+from hvd_rl.runtime import distributed as dist
 from hvd_rl.algorithms.base import IterationContext
 from hvd_rl.algorithms.dqn import DQN as DQNAlgorithm, crossings, linear_schedule
-from hvd_rl.checkpoint import load_checkpoint
+from hvd_rl.runtime.checkpoint import load_checkpoint
 from hvd_rl.config import ConfigError, ModelConfig, load_config, validate
-from hvd_rl.envs import EnvLayout
-from hvd_rl.models import build_model, build_q_network
+from hvd_rl.envs.vector import EnvLayout
+from hvd_rl.algorithms.models import build_model, build_q_network
 
 DQN = REPO / "configs" / "cartpole_dqn.toml"
 QUICK = ["logging.tensorboard=false", "dqn.steps_per_iteration=500", "dqn.learning_starts=200",

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from hvd_rl.config import EnvConfig, ModelConfig
-from hvd_rl.envs import EnvLayout, RankEnvs, env_seeds
-from hvd_rl.models import build_model
-from hvd_rl.rollout import RolloutBuffer, RolloutCollector
+from hvd_rl.envs.vector import EnvLayout, RankEnvs, env_seeds
+from hvd_rl.algorithms.models import build_model
+from hvd_rl.algorithms.rollout import RolloutBuffer, RolloutCollector
 
 
 def test_cartpole_rollout_has_no_reset_transitions():

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import (BIN, QUICK, check, finish, host_discovery, launch_env, mpirun_cmd, rank_pid,
                       read_jsonl, run, start, train_cmd, wait_for_iterations)
-from hvd_rl.checkpoint import load_checkpoint
+from hvd_rl.runtime.checkpoint import load_checkpoint
 
 PREEMPTED = 75
 BAD_INPUT = 2

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from conftest import BIN, CARTPOLE, PYTHON, REPO, check, finish, launch_env, read_jsonl, run, start, wait_for_iterations
-from hvd_rl.learning import Curve, aggregate, load_references, run_curve
-from hvd_rl.study import PlanError, load_plan, parse_plan
+from hvd_rl.analysis.learning import Curve, aggregate, load_references, run_curve
+from hvd_rl.analysis.study import PlanError, load_plan, parse_plan
 
 SCRIPT = REPO / "benchmarks" / "learning.py"
 _spec = importlib.util.spec_from_file_location("learning_benchmark", SCRIPT)
@@ -330,6 +331,13 @@ def test_study_skips_completed_runs_and_resumes_an_interrupted_one(tmp_path):
     data = json.loads((out / "report" / "report.json").read_text())
     assert [r["status"] for e in data["experiments"] for r in e["runs"]] == ["completed", "completed"]
     assert data["experiments"][1]["runs"][0]["final_return"] == pytest.approx(np.mean([g["return"] for g in games][-100:]))
+    # each experiment's final policy, recorded from a completed seed's checkpoint, beside its curve
+    report = (out / "report" / "report.md").read_text()
+    for name, seed in (("a", 1), ("b", 2)):
+        assert f"![{name}: the final policy]({name}-agent.gif)" in report
+        assert f"The final policy of seed {seed} (global step" in report
+        with Image.open(out / "report" / f"{name}-agent.gif") as clip:
+            assert clip.n_frames > 1 and clip.size == (600, 400)
 
     text = check(run(study(plan, out), timeout=120))  # nothing left to do
     assert text.count("skipped") == 2 and len(read_jsonl(out / "launches.jsonl")) == 3

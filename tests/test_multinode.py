@@ -284,7 +284,7 @@ def test_hierarchical_allreduce_setting_and_status(monkeypatch):
     import torch
 
     import horovod.torch as hvd
-    from hvd_rl import distributed as dist
+    from hvd_rl.runtime import distributed as dist
 
     monkeypatch.delenv(dist.HIERARCHICAL_VAR, raising=False)
     monkeypatch.delenv(dist.YIELD_VAR, raising=False)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import PYTHON, REPO, check, mpirun_cmd, run
-from hvd_rl.normalize import Moments, RunningNormalizer
+from hvd_rl.algorithms.normalize import Moments, RunningNormalizer
 
 
 def test_pairwise_merge_equals_statistics_of_the_concatenation():
@@ -20,7 +20,7 @@ def test_pairwise_merge_equals_statistics_of_the_concatenation():
 
 
 def test_normalizer_is_frozen_until_sync_then_clips(monkeypatch):
-    from hvd_rl import distributed
+    from hvd_rl.runtime import distributed
 
     monkeypatch.setattr(distributed, "allgather_rows", lambda rows, name: rows)  # a 1-rank world
     norm = RunningNormalizer((2,), clip=5.0)

@@ -45,7 +45,7 @@ class Row:
 
 
 def overrides(row: Row, *, num_envs: int = 2, total: int = TOTAL) -> list[str]:
-    """The row's options (hvd_rl.combinations, shared with the README's table) and small sizes."""
+    """The row's options (hvd_rl.combinations, shared with the docs' table of refused pairs) and small sizes."""
     sets = ["logging.tensorboard=false", "logging.console=false", f"env.num_envs={num_envs}",
             "distributed.balance_every=2", "distributed.verify_every=1", "checkpoint.every=2",
             *option_overrides(dict(zip(NAMES, row.values)))]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hvd_rl.config import ModelConfig
-from hvd_rl.models import build_model
+from hvd_rl.algorithms.models import build_model
 from hvd_rl.config import PPOConfig
 from hvd_rl.algorithms.ppo import compute_gae, minibatch_indices, ppo_loss
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from hvd_rl.config import ModelConfig
-from hvd_rl.models import InferencePolicy, build_model
-from hvd_rl.precision import Precision, PrecisionError, cpu_has_native_bf16, resolve_amp
-from hvd_rl.rollout import observation_storage, take_rows
+from hvd_rl.algorithms.models import InferencePolicy, build_model
+from hvd_rl.runtime.precision import Precision, PrecisionError, cpu_has_native_bf16, resolve_amp
+from hvd_rl.algorithms.rollout import observation_storage, take_rows
 
 FRAMES = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
 
@@ -135,7 +135,7 @@ def test_resume_in_another_precision_keeps_this_runs_adam_kernel(tmp_path):
     """The checkpoint's optimizer state carries its run's kernel choice (fused for bf16); a
     resume in fp32 must step with the for-loop kernel, and the log says what changed."""
     from conftest import QUICK, check, run, train_cmd
-    from hvd_rl.checkpoint import load_checkpoint
+    from hvd_rl.runtime.checkpoint import load_checkpoint
 
     run_dir = tmp_path / "run"
     check(run(train_cmd(run_dir, *QUICK, "ppo.total_timesteps=128", "distributed.amp=bf16"), timeout=120))

@@ -1,4 +1,4 @@
-"""The weak-scaling projection (hvd_rl/projection.py) and its report section, on synthetic inputs
+"""The weak-scaling projection (hvd_rl/analysis/projection.py) and its report section, on synthetic inputs
 whose answers are known by hand."""
 import json
 import math
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from hvd_rl import projection as P
-from hvd_rl.report import write_report
+from hvd_rl.analysis import projection as P
+from hvd_rl.analysis.report import write_report
 
 MB = 1e6
 
@@ -262,7 +262,7 @@ def test_sweep_points_record_the_interconnect(tmp_path, monkeypatch):
 def test_compressed_workloads_project_their_own_exchange():
     """PowerSGD's allreduce of a few KiB scales like a small allreduce; top-k's allgather volume
     grows with the rank count, so past some ranks it loses even to the uncompressed allreduce."""
-    from hvd_rl.projection import CostModel, Workload
+    from hvd_rl.analysis.projection import CostModel, Workload
 
     model = CostModel(overhead_s=1e-4, latency_s=5e-5, bandwidth_Bps=1e9 / 8)  # 1 Gbit/s
     base = dict(compute_s=2.0, gradient_rounds=16)

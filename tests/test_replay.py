@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from hvd_rl.config import EnvConfig
-from hvd_rl.envs import RankEnvs
-from hvd_rl.replay import ReplayShard
+from hvd_rl.envs.vector import RankEnvs
+from hvd_rl.algorithms.replay import ReplayShard
 
 
 def _record(env_id, backend, num_envs, steps, capacity, seed=0, **env_kwargs):

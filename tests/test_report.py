@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, CARTPOLE, PYTHON, REPO, check, read_jsonl, run
-from hvd_rl.report import write_report
+from hvd_rl.analysis.report import write_report
 
 
 def fake_run(directory: Path, mode: str, ranks: int, sps_per_iteration: list[float], batch: int,

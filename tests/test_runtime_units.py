@@ -2,8 +2,8 @@
 import math
 import signal
 
-from hvd_rl.metrics import RemainingTime
-from hvd_rl.runtime import PreemptionFlag, preempted_exit_code
+from hvd_rl.runtime.metrics import RemainingTime
+from hvd_rl.runtime.trainer import PreemptionFlag, preempted_exit_code
 
 
 def test_signal_handler_only_records_the_signal(capsys, tmp_path):
@@ -53,7 +53,7 @@ def test_resume_truncation_drops_rolled_back_decisions_and_environment_builds(tm
     run again, so their rows go (balance.jsonl kept rows of iterations a resume rolled back)."""
     import json
 
-    from hvd_rl.metrics import BALANCE_FILE, ENV_SEEDS_FILE, read_jsonl, truncate_metrics
+    from hvd_rl.runtime.metrics import BALANCE_FILE, ENV_SEEDS_FILE, read_jsonl, truncate_metrics
 
     def write(name, iterations):
         (tmp_path / name).write_text("".join(json.dumps({"iteration": i}) + "\n" for i in iterations))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, REPO, check, launch_env, read_jsonl, run
-from hvd_rl.checkpoint import load_checkpoint
+from hvd_rl.runtime.checkpoint import load_checkpoint
 
 CLUSTER = REPO / "slurm" / "local_cluster.sh"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}

@@ -153,7 +153,7 @@ def test_steady_state_iterations_touch_no_new_memory(tmp_path):
     """glibc hands large freed blocks back to the OS, and the Atari preset's PPO updates then
     page-faulted ~150K pages (~600 MB) back in every iteration, a quarter of the update's time
     (measured launched like this, as `python -m hvd_rl.cli`). The trainer keeps freed memory
-    (hvd_rl/heap.py), so iterations after the first touch (almost) no new pages."""
+    (hvd_rl/runtime/heap.py), so iterations after the first touch (almost) no new pages."""
     run_dir = tmp_path / "run"
     check(run([PYTHON, "-m", "hvd_rl.cli", "train", "--config", str(ATARI), "--run-dir", str(run_dir),
                "--set", "logging.tensorboard=false", "--set", "ppo.total_timesteps=4096"], timeout=300))

@@ -24,10 +24,10 @@ def measure(config: str, device_name: str, minibatch: int, amp: str, updates: in
     import numpy as np
     import torch
 
-    from hvd_rl.envs import RankEnvs
-    from hvd_rl.models import build_model
-    from hvd_rl.precision import precision_for
-    from hvd_rl.rollout import RolloutBuffer
+    from hvd_rl.envs.vector import RankEnvs
+    from hvd_rl.algorithms.models import build_model
+    from hvd_rl.runtime.precision import precision_for
+    from hvd_rl.algorithms.rollout import RolloutBuffer
 
     cfg = load_config(config)
     envs_per_rank = cfg.env.num_envs
@@ -58,7 +58,7 @@ def main() -> int:
     parser.add_argument("--updates", type=int, default=2, help="timed updates after one warm-up")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
-    from hvd_rl import distributed as dist
+    from hvd_rl.runtime import distributed as dist
 
     dist.init()
     rows = []

@@ -1,4 +1,4 @@
-"""The contract between the shared runtime (hvd_rl/runtime.py) and one RL algorithm.
+"""The contract between the shared runtime (hvd_rl/runtime/trainer.py) and one RL algorithm.
 
 To add an algorithm, read this file, subclass `Algorithm`, register it in
 `hvd_rl/algorithms/__init__.py` and give it a config section in `hvd_rl/config.py`.
@@ -14,7 +14,7 @@ Rules an algorithm must follow, because every rank runs the same code in lockste
   the others are inside `hvd.elastic.run`); the runtime calls `broadcast` when it is time.
 - Collectives inside `iterate` have explicit names and are called in the same order on every
   rank; every control-flow decision that could differ between ranks is agreed collectively.
-- Gradients are averaged only through `hvd_rl.distributed.distributed_optimizer`.
+- Gradients are averaged only through `hvd_rl.runtime.distributed.distributed_optimizer`.
 - `iterate` reads `context.stop_requested()` where a collective already happens (at least once
   per optimisation epoch) and reports whether any rank asked to stop.
 """
@@ -29,7 +29,7 @@ import gymnasium as gym
 import torch
 
 from hvd_rl.config import TrainConfig
-from hvd_rl.envs import EnvLayout
+from hvd_rl.envs.vector import EnvLayout
 
 
 class UnsupportedSetup(ValueError):
@@ -105,7 +105,7 @@ class Algorithm(ABC):
 
     def distributed_optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers from `distributed_optimizer`: the runtime checkpoints and restores their
-        gradient-compression state (hvd_rl/compression.py). Default: `self.optimizer`."""
+        gradient-compression state (hvd_rl/runtime/compression.py). Default: `self.optimizer`."""
         optimizer = getattr(self, "optimizer", None)
         return [optimizer] if optimizer is not None else []
 

@@ -1,7 +1,7 @@
 """DQN with experience replay (CleanRL's dqn.py and dqn_atari.py), distributed with Horovod.
 
 Every rank steps its own environments with an epsilon-greedy policy and keeps their transitions
-in its own replay shard (hvd_rl/replay.py: frames stored once). Updates follow the *global* env
+in its own replay shard (hvd_rl/algorithms/replay.py: frames stored once). Updates follow the *global* env
 step, which every rank knows, so all ranks take the same decisions without talking:
 - a gradient update each time the global step crosses a multiple of `train_frequency`: every
   rank draws its share of `batch_size` from its shard, Horovod averages the gradients, so one
@@ -35,14 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hvd_rl import distributed as dist
+from hvd_rl.runtime import distributed as dist
 from hvd_rl.algorithms.base import Algorithm, IterationContext, IterationReport, NonFiniteLossError, UnsupportedSetup
-from hvd_rl.checkpoint import warn
+from hvd_rl.runtime.checkpoint import warn
 from hvd_rl.config import TrainConfig
-from hvd_rl.envs import EnvLayout, RankEnvs
-from hvd_rl.models import build_q_network, model_signature
-from hvd_rl.precision import precision_for
-from hvd_rl.replay import ReplayShard
+from hvd_rl.envs.vector import EnvLayout, RankEnvs
+from hvd_rl.algorithms.models import build_q_network, model_signature
+from hvd_rl.runtime.precision import precision_for
+from hvd_rl.algorithms.replay import ReplayShard
 
 REPLAY_DIR = "replay"  # <run_dir>/replay/rank<r>.npz: each rank's shard, when checkpointed
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hvd_rl.config import ModelConfig
-from hvd_rl.precision import Precision
+from hvd_rl.runtime.precision import Precision
 
 
 def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Module:

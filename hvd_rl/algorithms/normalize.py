@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from hvd_rl import distributed as dist
+from hvd_rl.runtime import distributed as dist
 
 
 @dataclass
@@ -93,6 +93,10 @@ class RunningNormalizer:
     def observe(self, batch: np.ndarray) -> None:
         """Adds raw values seen by this rank (applied at the next `sync`)."""
         self.pending = self.pending.merge(Moments.of(batch))
+
+    def affine(self) -> tuple[np.ndarray, np.ndarray]:
+        """(mean, scale) as `normalize` applies them: clip((x - mean) * scale, -clip, clip)."""
+        return self._mean, self._scale
 
     def normalize(self, batch: np.ndarray) -> np.ndarray:
         return np.clip((np.asarray(batch, dtype=np.float32) - self._mean) * self._scale,

@@ -1,10 +1,10 @@
 """PPO (CleanRL's ppo_atari, ppo and ppo_continuous_action recipes), distributed with Horovod.
 
 One iteration on every rank: collect `num_steps` steps of this rank's environments
-(hvd_rl/rollout.py), compute GAE, then `update_epochs` epochs over minibatches with gradients
+(hvd_rl/algorithms/rollout.py), compute GAE, then `update_epochs` epochs over minibatches with gradients
 averaged by Horovod. Discrete actions use a categorical policy, Box actions a diagonal Gaussian
 with state-independent log-std (models.ActorCritic), with optional observation normalisation and
-reward scaling whose statistics are merged over all ranks (hvd_rl/normalize.py).
+reward scaling whose statistics are merged over all ranks (hvd_rl/algorithms/normalize.py).
 
 Exact N-rank == 1-process math rests on four choices made here:
 1. Minibatches are drawn per *global* environment: every environment's timesteps are shuffled
@@ -30,14 +30,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from hvd_rl import distributed as dist
+from hvd_rl.runtime import distributed as dist
 from hvd_rl.algorithms.base import Algorithm, IterationContext, IterationReport, NonFiniteLossError
 from hvd_rl.config import PPOConfig, TrainConfig
-from hvd_rl.envs import EnvLayout, RankEnvs
-from hvd_rl.models import build_model, model_signature
-from hvd_rl.normalize import ReturnScaler, RunningNormalizer
-from hvd_rl.precision import precision_for
-from hvd_rl.rollout import RolloutBuffer, RolloutCollector, take_rows
+from hvd_rl.envs.vector import EnvLayout, RankEnvs
+from hvd_rl.algorithms.models import build_model, model_signature
+from hvd_rl.algorithms.normalize import ReturnScaler, RunningNormalizer
+from hvd_rl.runtime.precision import precision_for
+from hvd_rl.algorithms.rollout import RolloutBuffer, RolloutCollector, take_rows
 
 
 # ---- GAE, minibatch layout, loss ----------------------------------------------------------------

@@ -15,9 +15,9 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from hvd_rl.envs import RankEnvs
-from hvd_rl.models import ActorCritic, InferencePolicy
-from hvd_rl.normalize import ReturnScaler, RunningNormalizer
+from hvd_rl.envs.vector import RankEnvs
+from hvd_rl.algorithms.models import ActorCritic, InferencePolicy
+from hvd_rl.algorithms.normalize import ReturnScaler, RunningNormalizer
 
 
 @dataclass

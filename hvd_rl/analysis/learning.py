@@ -19,11 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from hvd_rl.metrics import read_episodes, read_metrics
-from hvd_rl.study import read_summary
+from hvd_rl import CHECKOUT
+from hvd_rl.runtime.metrics import read_episodes, read_metrics
+from hvd_rl.analysis.study import read_summary
 
 LAST_N = 100
-REFERENCES_FILE = Path(__file__).resolve().parent.parent / "benchmarks" / "reference" / "learning_references.toml"
+REFERENCES_FILE = CHECKOUT / "benchmarks" / "reference" / "learning_references.toml"
 
 
 # ---- one run --------------------------------------------------------------------------------

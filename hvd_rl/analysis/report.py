@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hvd_rl.metrics import read_metrics
-from hvd_rl.projection import format_rate, parse_rate
+from hvd_rl.runtime.metrics import read_metrics
+from hvd_rl.analysis.projection import format_rate, parse_rate
 
 # time_allreduce: communication (the fastest rank's time in collectives); time_wait: waiting for
 # slower ranks (older results have no time_wait: their time_allreduce holds both).
@@ -540,10 +540,10 @@ HIERARCHICAL_RANKS_PER_NODE = 8
 
 
 def projection_section(points: list[Point], allreduce: list[dict], out: Path) -> tuple[list[str], list[str], dict | None]:
-    """Markdown, plot files and data of the weak-scaling projection (hvd_rl/projection.py): the
+    """Markdown, plot files and data of the weak-scaling projection (hvd_rl/analysis/projection.py): the
     1-rank point's compute time, the allreduce model fitted to the benchmarks, predicted efficiency
     at 8..1024 ranks for 1/10/100 Gbit/s, and the model checked against the measured multi-node points."""
-    from hvd_rl import projection as P
+    from hvd_rl.analysis import projection as P
 
     lines = ["## Projection to many ranks (weak scaling)", ""]
     network = [r for r in allreduce if (r.get("nodes") or 1) > 1]
@@ -625,7 +625,7 @@ def projection_section(points: list[Point], allreduce: list[dict], out: Path) ->
     files = _plot_projection(projection, fits, fitted, checks, out)
     pct = lambda x: "—" if x is None else f"{100 * x:.0f}%"  # noqa: E731
     lines += [
-        "Model (hvd_rl/projection.py): one allreduce of S bytes on n ranks costs c + steps(n) alpha + "
+        "Model (hvd_rl/analysis/projection.py): one allreduce of S bytes on n ranks costs c + steps(n) alpha + "
         "2(n-1)/n S/B, with steps = 2(n-1) for a ring (Horovod's CPU allreduce: flat MPI/Gloo), "
         "2 ceil(log2 n) for a tree (recursive halving/doubling), and for hierarchical "
         f"({HIERARCHICAL_RANKS_PER_NODE} ranks per node, Horovod's NCCL path) a ring within each node on its own bus "
@@ -695,7 +695,7 @@ def _plot_projection(projection, fits, network: list[dict], checks: list[dict], 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hvd_rl import projection as P
+    from hvd_rl.analysis import projection as P
 
     fig, (ax_fit, ax_e) = plt.subplots(1, 2, figsize=(12, 4.6))
     for i, (fit, result) in enumerate(zip(fits, network)):

@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from hvd_rl import CHECKOUT
+
+REPO = CHECKOUT
 SUMMARY_FILE = "summary.json"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -299,7 +301,7 @@ def config_conflicts(spec: RunSpec) -> list[str]:
     ppo.total_timesteps, for one, reshapes the learning-rate schedule half-way)."""
     from hvd_rl.config import load_config  # here: keeps this module light for `hvd-rl slurm render`
 
-    from hvd_rl.metrics import read_metrics
+    from hvd_rl.runtime.metrics import read_metrics
 
     conflicts = []
     rows = read_metrics(spec.run_dir)

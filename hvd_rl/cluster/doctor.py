@@ -8,17 +8,18 @@ import json
 import os
 import platform
 import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hvd_rl.launch import mpi_env
+from hvd_rl.cluster.launch import mpi_env
 
-# Initialises exactly as the trainer does (hvd_rl.distributed.init applies the waiting settings
+# Initialises exactly as the trainer does (hvd_rl.runtime.distributed.init applies the waiting settings
 # before MPI starts), then reports the settings in effect on the rank.
 ALLREDUCE_SNIPPET = (
-    "import json, os, sys, torch, horovod.torch as hvd; from hvd_rl import distributed as d; "
+    "import json, os, sys, torch, horovod.torch as hvd; from hvd_rl.runtime import distributed as d; "
     "from hvd_rl.config import DistributedConfig as C; c = C(); d.init(c.mpi_yield_when_idle, c.cycle_time_ms); "
     "s = hvd.allreduce(torch.ones(4) * (hvd.rank() + 1), op=hvd.Sum, name='doctor'); "
     "w = {v: os.environ.get(v) for v in (d.YIELD_VAR, d.CYCLE_VAR)}; "
@@ -70,7 +71,7 @@ def _allreduce_check(report: Report, label: str, cmd: list[str], num_ranks: int,
 
 def _report_waiting(report: Report, waiting: dict[str, str | None]) -> None:
     """How ranks wait for each other: a core lost to busy-polling costs ~35% with 1 core per rank."""
-    from hvd_rl.distributed import CYCLE_VAR, YIELD_VAR
+    from hvd_rl.runtime.distributed import CYCLE_VAR, YIELD_VAR
 
     report.info("  rank waiting", f"{YIELD_VAR}={waiting.get(YIELD_VAR)}, {CYCLE_VAR}={waiting.get(CYCLE_VAR)} ms")
     if waiting.get(YIELD_VAR) == "0":
@@ -84,7 +85,7 @@ def _report_waiting(report: Report, waiting: dict[str, str | None]) -> None:
 def _report_precision(report: Report) -> None:
     import torch
 
-    from hvd_rl.precision import cpu_has_native_bf16, resolve_amp
+    from hvd_rl.runtime.precision import cpu_has_native_bf16, resolve_amp
 
     native = cpu_has_native_bf16()
     chosen = resolve_amp("auto", torch.device("cpu"), convolutional=True)
@@ -113,6 +114,14 @@ def _check_mpi4py(report: Report, have_mpirun: bool, timeout: float) -> None:
         report.problem("mpi4py cannot initialise MPI; reinstall mpi4py against the MPI on PATH")
         return
     report.info("mpi4py", f"{mpi4py.__version__} ({proc.stdout.strip()})")
+
+
+def _hostname_resolves() -> bool:
+    try:
+        socket.gethostbyname(socket.gethostname())
+        return True
+    except OSError:
+        return False
 
 
 def run_doctor(num_ranks: int = 2, timeout: float = 120) -> int:
@@ -187,7 +196,11 @@ def run_doctor(num_ranks: int = 2, timeout: float = 120) -> int:
                          [mpirun, "-np", str(num_ranks), "--oversubscribe", python, "-c", ALLREDUCE_SNIPPET],
                          num_ranks, timeout)
         horovodrun = shutil.which("horovodrun", path=str(Path(python).parent)) or shutil.which("horovodrun")
-        if horovodrun:
+        if horovodrun and not _hostname_resolves():
+            report.info("allreduce (gloo)", "FAILED")
+            report.problem(f"this host's name {socket.gethostname()!r} does not resolve: Horovod's Gloo ranks crash "
+                           "(SIGSEGV) without it; add it to /etc/hosts")
+        elif horovodrun:
             _allreduce_check(report, "allreduce (gloo)",
                              [horovodrun, "--gloo", "-np", str(num_ranks), "-H", f"localhost:{num_ranks}",
                               python, "-c", ALLREDUCE_SNIPPET], num_ranks, timeout)

@@ -6,13 +6,13 @@ and the settings lines tagged `# hvd-rl:<name>`, so users never hand-edit a temp
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
 import subprocess
-import tempfile
-import unicodedata
 from pathlib import Path
+
+from hvd_rl import CHECKOUT
+from hvd_rl.cluster.rendering import RenderError, has_control, show, write_atomically
 
 TEMPLATES = {"cpu": "train_cpu.sbatch", "gpu": "train_gpu.sbatch", "sweep": "scaling_sweep.sbatch",
              "learning": "learning_array.sbatch"}
@@ -30,12 +30,12 @@ _SBATCH_VALUES = {
 _RANK_LIST = re.compile(r"[0-9]+(\s+[0-9]+)*")  # ASCII digits only (str.isdigit takes '\u00b2')
 
 
-class SlurmRenderError(ValueError):
+class SlurmRenderError(RenderError):
     pass
 
 
 def template_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "slurm"
+    return CHECKOUT / "slurm"
 
 
 def add_render_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +58,11 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECTION.KEY=VALUE", help="config override passed to hvd-rl train; repeatable")
     parser.add_argument("--run-root", help="parent directory of the per-job run directories")
     parser.add_argument("--home", help="project checkout on the cluster (default: this one)")
+    parser.add_argument("--container", help="run every rank in this image: an Apptainer .sif (default runtime) "
+                                            "or, with --container-runtime pyxis, an enroot/pyxis image")
+    parser.add_argument("--container-runtime", choices=["apptainer", "pyxis"],
+                        help="apptainer: srun/mpirun start 'apptainer exec IMAGE hvd-rl' (--nv on the gpu "
+                             "template); pyxis: srun --container-image (default apptainer)")
     parser.add_argument("--launcher", choices=["srun", "mpirun", "horovodrun"],
                         help="how ranks are started inside the allocation (default srun --mpi=pmix)")
     parser.add_argument("--ranks", help="sweep: space-separated rank counts, one array element each")
@@ -81,33 +86,23 @@ def _sbatch_lines(args: argparse.Namespace) -> dict[str, str | None]:
     return {k: (None if v is None else str(v)) for k, v in lines.items()}
 
 
-def _show(text: str) -> str:
-    """A value in a message: repr'd (one printable line), a hundred-odd characters at most."""
-    text = repr(text)
-    return text if len(text) <= 120 else f"{text[:60]} ... {text[-50:]}"
-
-
-def _has_control(text: str) -> bool:
-    return any(unicodedata.category(c) in ("Cc", "Cf", "Cs", "Zl", "Zp") for c in text)
-
-
 def _check(args: argparse.Namespace) -> None:
     # Every text that lands in the script (or names it): one line, no control characters. Shell
     # lines quote what they take (shlex.quote); #SBATCH lines cannot quote, so they take only
     # what SLURM itself accepts there.
     for name in ("out", "job_name", "time", "partition", "account", "config", "run_root", "home",
-                 "ranks", "sweep_nodes", "plan", "launcher", "mode"):
+                 "ranks", "sweep_nodes", "plan", "launcher", "mode", "container"):
         value = getattr(args, name, None)
-        if value is not None and (not value.strip() or _has_control(value)):
+        if value is not None and (not value.strip() or has_control(value)):
             what = "is empty" if not value.strip() else "contains a newline or control character"
-            raise SlurmRenderError(f"--{name.replace('_', '-')} {_show(value)} {what}")
+            raise SlurmRenderError(f"--{name.replace('_', '-')} {show(value)} {what}")
     for text in args.overrides:
-        if _has_control(text):
-            raise SlurmRenderError(f"--set {_show(text)} contains a newline or control character")
+        if has_control(text):
+            raise SlurmRenderError(f"--set {show(text)} contains a newline or control character")
     for name, (pattern, allowed) in _SBATCH_VALUES.items():
         value = getattr(args, name, None)
         if value is not None and not pattern.fullmatch(value):
-            raise SlurmRenderError(f"--{name.replace('_', '-')} {_show(value)} cannot go on an #SBATCH line: "
+            raise SlurmRenderError(f"--{name.replace('_', '-')} {show(value)} cannot go on an #SBATCH line: "
                                    f"use {allowed}")
     for name in ("nodes", "ntasks_per_node", "cpus_per_task", "signal_seconds", "iterations"):
         value = getattr(args, name, None)
@@ -116,16 +111,16 @@ def _check(args: argparse.Namespace) -> None:
     if args.gpus_per_node is not None and args.gpus_per_node < 0:
         raise SlurmRenderError("--gpus-per-node must be >= 0")
     if args.time is not None and not _TIME.fullmatch(args.time):
-        raise SlurmRenderError(f"--time {_show(args.time)} is not a SLURM time (HH:MM:SS or D-HH:MM:SS)")
+        raise SlurmRenderError(f"--time {show(args.time)} is not a SLURM time (HH:MM:SS or D-HH:MM:SS)")
     for name in ("ranks", "sweep_nodes"):
         value = getattr(args, name, None)
         if value is not None and not (_RANK_LIST.fullmatch(value.strip()) and all(int(v) > 0 for v in value.split())):
-            raise SlurmRenderError(f"--{name.replace('_', '-')} must be positive integers, got {_show(value)}")
+            raise SlurmRenderError(f"--{name.replace('_', '-')} must be positive integers, got {show(value)}")
     if args.ranks and args.sweep_nodes and len(args.ranks.split()) != len(args.sweep_nodes.split()):
         raise SlurmRenderError("--ranks and --sweep-nodes must have the same number of entries")
     for text in args.overrides:
         if "=" not in text or not text.split("=", 1)[0].strip():
-            raise SlurmRenderError(f"--set {_show(text)}: expected section.key=value")
+            raise SlurmRenderError(f"--set {show(text)}: expected section.key=value")
 
 
 def render(template_text: str, sbatch: dict[str, str | None], settings: dict[str, str]) -> str:
@@ -153,7 +148,7 @@ def render(template_text: str, sbatch: dict[str, str | None], settings: dict[str
 
 def _learning_settings(args: argparse.Namespace, settings: dict[str, str], sbatch: dict[str, str | None]) -> None:
     """One array element per (experiment, seed), each allocated the plan's largest rank count."""
-    from hvd_rl.study import PlanError, load_plan
+    from hvd_rl.analysis.study import PlanError, load_plan
 
     home = Path(args.home or template_dir().parent).resolve()
     path = Path(args.plan)
@@ -186,6 +181,18 @@ def render_from_args(args: argparse.Namespace) -> Path:
         settings["run_root"] = shlex.quote(args.run_root)
     if args.launcher:
         settings["launcher"] = shlex.quote(args.launcher)
+    if args.container_runtime and not args.container:
+        raise SlurmRenderError("--container-runtime needs --container")
+    if args.container:
+        runtime = args.container_runtime or "apptainer"
+        launcher = args.launcher or "srun"
+        if launcher == "horovodrun" or (runtime == "pyxis" and launcher != "srun"):
+            raise SlurmRenderError(f"--container with --container-runtime {runtime} needs --launcher "
+                                   f"{'srun' if runtime == 'pyxis' else 'srun or mpirun'}, not {launcher}")
+        if args.template not in ("cpu", "gpu"):
+            raise SlurmRenderError("--container applies to the cpu and gpu templates")
+        settings["container"] = shlex.quote(args.container)
+        settings["container_runtime"] = shlex.quote(runtime)
     if args.ranks:
         settings["ranks"] = "(" + " ".join(args.ranks.split()) + ")"  # checked: ASCII digits
     if args.sweep_nodes or args.ranks:
@@ -212,17 +219,5 @@ def render_from_args(args: argparse.Namespace) -> Path:
     if check.returncode != 0:
         raise SlurmRenderError(f"rendered script fails 'bash -n': {' '.join(check.stderr.split())}")
     out = Path(args.out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.chmod(tmp, 0o755)
-            os.replace(tmp, out)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError as exc:
-        raise SlurmRenderError(f"--out {_show(str(out))}: cannot write the script ({exc.strerror or exc})") from None
+    write_atomically(out, text, mode=0o755)
     return out

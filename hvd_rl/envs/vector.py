@@ -52,38 +52,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from hvd_rl.config import EnvConfig
-
-_ALE_REGISTERED = False
-
-
-def register_ale() -> None:
-    """Makes the ALE/* ids known to Gymnasium (ale-py >= 0.9 ships the ROMs in its wheel)."""
-    global _ALE_REGISTERED
-    if not _ALE_REGISTERED:
-        import ale_py
-
-        gym.register_envs(ale_py)
-        _ALE_REGISTERED = True
-
-
-def is_atari(env_id: str) -> bool:
-    register_ale()
-    spec = gym.spec(env_id)
-    entry = spec.entry_point if isinstance(spec.entry_point, str) else ""
-    return entry.startswith("ale_py")
-
-
-def check_env_id(env_id: str, backend: str) -> str | None:
-    """One-line problem description for an env id that cannot be used, else None."""
-    register_ale()
-    try:
-        gym.spec(env_id)
-    except (gym.error.Error, ValueError) as exc:  # ValueError: a version number too long for int()
-        return f"env.id {env_id!r} is not a registered Gymnasium environment ({exc})"
-    if backend == "ale_vector" and not is_atari(env_id):
-        return f"env.backend 'ale_vector' needs an ALE environment, but {env_id!r} is not one"
-    return None
-
+from hvd_rl.envs.ids import is_atari, register_ale
 
 @dataclass(frozen=True)
 class EnvLayout:
@@ -238,15 +207,17 @@ class AtariLifeCycle(gym.Wrapper):
         return obs, reward, terminated, truncated, info
 
 
-def _make_gym_env(cfg: EnvConfig, atari: bool) -> gym.Env:
+def _make_gym_env(cfg: EnvConfig, atari: bool, render_mode: str | None = None) -> gym.Env:
+    """`render_mode`: Gymnasium's, for recording videos (`rgb_array`); None in training."""
+    extra = {"render_mode": render_mode} if render_mode else {}
     if not atari:
         kwargs = {"max_episode_steps": cfg.max_episode_steps} if cfg.max_episode_steps else {}
-        return gym.make(cfg.id, **kwargs)
+        return gym.make(cfg.id, **kwargs, **extra)
     register_ale()
     # NoFrameskip semantics at the ALE level; frame skipping and max-pooling happen in the wrapper.
     # The time limit counts emulator frames, as ale_vector's does; RankEnvs stacks the frames.
     env = gym.make(cfg.id, frameskip=1, repeat_action_probability=cfg.repeat_action_probability,
-                   full_action_space=False, max_num_frames_per_episode=_episode_frames(cfg))
+                   full_action_space=False, max_num_frames_per_episode=_episode_frames(cfg), **extra)
     env = gym.wrappers.AtariPreprocessing(
         env, noop_max=cfg.noop_max, frame_skip=cfg.frame_skip, screen_size=cfg.screen_size,
         terminal_on_life_loss=False, grayscale_obs=True, scale_obs=False)
@@ -434,8 +405,11 @@ class StepResult:
 class RankEnvs:
     """This rank's vector of environments behind one interface, whatever the backend."""
 
-    def __init__(self, cfg: EnvConfig, threads: int = 1):
+    def __init__(self, cfg: EnvConfig, threads: int = 1, render_mode: str | None = None):
+        """`render_mode` (`rgb_array`: `render()` gives frames for videos) needs the sync backend."""
         register_ale()
+        if render_mode and cfg.backend != "sync":
+            raise ValueError(f"env.backend {cfg.backend!r} cannot render; use 'sync'")
         self.cfg = cfg
         self.atari = is_atari(cfg.id)
         self.num_envs = cfg.num_envs
@@ -444,7 +418,7 @@ class RankEnvs:
         if cfg.backend == "ale_vector":
             self.vec = _AleVectorEnvs(cfg, threads)
         else:
-            factory: Callable[[], gym.Env] = functools.partial(_make_gym_env, cfg, self.atari)
+            factory: Callable[[], gym.Env] = functools.partial(_make_gym_env, cfg, self.atari, render_mode)
             fns = [factory] * cfg.num_envs
             if cfg.backend == "async":
                 # forkserver: children never inherit MPI/Horovod threads and sockets.
@@ -464,6 +438,10 @@ class RankEnvs:
             self._stack = np.zeros((self.num_envs, cfg.frame_stack) + tuple(frame), dtype=np.uint8)
         self._returns = np.zeros(self.num_envs, dtype=np.float64)
         self._lengths = np.zeros(self.num_envs, dtype=np.int64)
+
+    def render(self, index: int = 0) -> np.ndarray:
+        """Environment `index`'s current screen (RGB, H x W x 3); needs render_mode='rgb_array'."""
+        return np.asarray(self.vec.envs[index].render())
 
     def reset(self, seeds: list[int]) -> np.ndarray:
         start_extra: Any = 0  # raw reward of the forced steps that started each game

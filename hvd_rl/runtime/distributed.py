@@ -19,7 +19,7 @@ import torch
 
 import horovod.torch as hvd
 
-from hvd_rl.launch import launched
+from hvd_rl.cluster.launch import launched
 
 
 class LaunchError(RuntimeError):
@@ -43,7 +43,7 @@ class Topology:
 # must be in place before either starts. `apply_runtime_settings` puts them there from the config,
 # in this process, which covers every launcher (mpirun, srun --mpi=pmix, horovodrun) at once.
 #
-# Why (benchmarks/results/runtime_settings.json): Horovod's background thread coordinates with the
+# Why (benchmarks/results/history/runtime_settings/runtime_settings.json): Horovod's background thread coordinates with the
 # other ranks every HOROVOD_CYCLE_TIME ms, also while the rank is stepping environments, and Open
 # MPI busy-polls while it waits for the peer. With one core per rank that poll steals the core from
 # the rank's own compute: 2 ranks of the Atari preset lost ~35% of the machine.
@@ -316,11 +316,11 @@ def distributed_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modu
     This is the one place where gradients are reduced, whichever algorithm asks. `none`/`fp16`:
     Horovod's DistributedOptimizer, whose allreduces are issued from backward hooks as each
     gradient becomes ready and overlap the rest of the backward pass. `powersgd`/`topk`
-    (hvd_rl/compression.py): gradients accumulate locally and are compressed and reduced at
+    (hvd_rl/runtime/compression.py): gradients accumulate locally and are compressed and reduced at
     `synchronize`. Either way every rank then holds the same gradient, and the algorithm calls
     `synchronize()`, clips, and steps under `skip_synchronize()`.
     """
-    from hvd_rl import compression as C
+    from hvd_rl.runtime import compression as C
 
     if compression in ("powersgd", "topk"):
         params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -1,4 +1,4 @@
-"""Run outputs written by rank 0: metrics.jsonl, TensorBoard events, a console line per iteration."""
+"""Run outputs written by rank 0: metrics.jsonl, TensorBoard events (and W&B), a console line per iteration."""
 from __future__ import annotations
 
 import json
@@ -86,6 +86,24 @@ def truncate_metrics(run_dir: str | Path, last_iteration: int, last_global_step:
             _rewrite(path, [row for row in read_jsonl(path) if keep(row.get("iteration", 0))])
 
 
+def chart_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The scalars of a metrics row as charts name them (TensorBoard, W&B): charts/, losses/,
+    time/, and ranks/<metric>/rank<i> for the per-rank load figures."""
+    scalars: dict[str, float] = {}
+    for key, value in record.items():
+        if key.endswith("_by_rank") and isinstance(value, list):  # load monitoring
+            for rank, item in enumerate(value):
+                if isinstance(item, (int, float)) and not isinstance(item, bool):
+                    scalars[f"ranks/{key[:-len('_by_rank')]}/rank{rank}"] = item
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("iteration", "global_step"):
+            group = "time" if key.startswith("time_") else (
+                "charts" if key in ("episodic_return_mean", "episodic_length_mean", "sps",
+                                    "learning_rate", "episodes", "world_size") else "losses")
+            scalars[f"{group}/{key}"] = value
+    return scalars
+
+
 def format_duration(seconds: float) -> str:
     if not math.isfinite(seconds) or seconds < 0:
         return "?"
@@ -99,10 +117,12 @@ class MetricsLogger:
     """Owned by rank 0 alone; other ranks never create one."""
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, console: bool = True,
-                 purge_step: int | None = None):
+                 purge_step: int | None = None, tracker: Any = None):
         """`purge_step`: on resume, TensorBoard drops the events of steps >= it (the iterations
-        after the checkpoint are run again), as metrics.jsonl is truncated."""
+        after the checkpoint are run again), as metrics.jsonl is truncated. `tracker`: a
+        tracking.WandbTracker that gets the same scalars, or None."""
         self.run_dir = Path(run_dir)
+        self._tracker = tracker
         self._jsonl = open(self.run_dir / METRICS_FILE, "a", buffering=1)
         self._episodes = open(self.run_dir / EPISODES_FILE, "a", buffering=1)
         self._console = console
@@ -117,19 +137,13 @@ class MetricsLogger:
         self._jsonl.write(json.dumps(clean) + "\n")
         self._jsonl.flush()
         step = record["global_step"]
-        if self._tb is not None:
-            for key, value in clean.items():
-                if key.endswith("_by_rank") and isinstance(value, list):  # load monitoring
-                    for rank, item in enumerate(value):
-                        if isinstance(item, (int, float)):
-                            self._tb.add_scalar(f"ranks/{key[:-len('_by_rank')]}/rank{rank}", item, step)
-                    continue
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in (
-                        "iteration", "global_step"):
-                    group = "time" if key.startswith("time_") else (
-                        "charts" if key in ("episodic_return_mean", "episodic_length_mean", "sps",
-                                            "learning_rate", "episodes", "world_size") else "losses")
-                    self._tb.add_scalar(f"{group}/{key}", value, step)
+        if self._tb is not None or self._tracker is not None:
+            scalars = chart_scalars(clean)
+            if self._tb is not None:
+                for name, value in scalars.items():
+                    self._tb.add_scalar(name, value, step)
+            if self._tracker is not None:
+                self._tracker.log(scalars, step)
         if self._console:
             ret = record.get("episodic_return_mean")
             ret_text = f"return {ret:9.2f} ({record['episodes']} ep)" if ret is not None else "return       n/a"
@@ -147,6 +161,11 @@ class MetricsLogger:
                 for r, n in zip(returns, lengths)))
             self._episodes.flush()
 
+    def summary(self, data: dict[str, Any]) -> None:
+        """The run's summary.json, for the tracker's run summary."""
+        if self._tracker is not None:
+            self._tracker.summary(data)
+
     def note(self, message: str) -> None:
         if self._console:
             print(f"[hvd_rl] {message}", flush=True)
@@ -156,6 +175,8 @@ class MetricsLogger:
         self._episodes.close()
         if self._tb is not None:
             self._tb.close()
+        if self._tracker is not None:
+            self._tracker.close()
 
 
 def log_line(message: str, stream=sys.stdout) -> None:

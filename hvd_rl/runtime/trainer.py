@@ -36,19 +36,22 @@ import numpy as np
 from horovod.common.elastic import ObjectState
 import torch
 
-from hvd_rl import __version__, compression, distributed as dist, watchdog
+from hvd_rl import __version__
+from hvd_rl.runtime import compression
+from hvd_rl.runtime import distributed as dist
+from hvd_rl.runtime import watchdog
 from hvd_rl.algorithms import build_algorithm
 from hvd_rl.algorithms.base import Algorithm, IterationContext, IterationReport, NonFiniteLossError
-from hvd_rl.balance import Balancer
-from hvd_rl.checkpoint import (CheckpointError, check_compatible, find_resumable, list_checkpoints,
+from hvd_rl.runtime.balance import Balancer
+from hvd_rl.runtime.checkpoint import (CheckpointError, check_compatible, find_resumable, list_checkpoints,
                                load_checkpoint, remove_stale_temporaries, save_checkpoint, warn)
 from hvd_rl.config import TrainConfig
-from hvd_rl.envs import EnvLayout, RankEnvs, env_seeds
-from hvd_rl.heap import page_faults, retain_freed_memory
-from hvd_rl.metrics import (BALANCE_FILE, ENV_SEEDS_FILE, METRICS_FILE, MetricsLogger, RemainingTime, log_line,
+from hvd_rl.envs.vector import EnvLayout, RankEnvs, env_seeds
+from hvd_rl.runtime.heap import page_faults, retain_freed_memory
+from hvd_rl.runtime.metrics import (BALANCE_FILE, ENV_SEEDS_FILE, METRICS_FILE, MetricsLogger, RemainingTime, log_line,
                             truncate_metrics)
 
-# Exit codes, identical on every rank (documented in the README and used by the SLURM templates).
+# Exit codes, identical on every rank (documented in docs/outputs.md, used by the SLURM templates).
 EXIT_OK = 0
 EXIT_FAILURE = 1  # unexpected error (a bug, a crashed rank)
 EXIT_BAD_INPUT = 2  # config, environment, checkpoint or run-directory problem
@@ -314,8 +317,7 @@ class Runtime:
         tmp = self.run_dir / ".config.toml.tmp"
         tmp.write_text(cfg.to_toml())
         os.replace(tmp, self.run_dir / "config.toml")
-        self.logger = MetricsLogger(self.run_dir, cfg.logging.tensorboard, cfg.logging.console,
-                                    purge_step=info["global_step"] + 1 if info["path"] else None)
+        self.logger = self._new_logger(purge_step=info["global_step"] + 1 if info["path"] else None)
         self.logger.note(
             f"{self.algorithm.name}: {topo.size} rank(s) on {topo.cross_size} node(s), "
             f"{self.threads} thread(s)/rank, device {self.device}, {self.algorithm.describe()}, "
@@ -351,8 +353,21 @@ class Runtime:
 
     def _logger(self) -> MetricsLogger:
         if self.logger is None:  # elastic: this process may have become rank 0 after a reset
-            self.logger = MetricsLogger(self.run_dir, self.cfg.logging.tensorboard, self.cfg.logging.console)
+            self.logger = self._new_logger(purge_step=None)
         return self.logger
+
+    def _new_logger(self, purge_step: int | None) -> MetricsLogger:
+        """Rank 0's outputs; with [logging] wandb, the W&B run of this run directory too."""
+        cfg, topo = self.cfg, dist.topology()
+        tracker = None
+        if cfg.logging.wandb:
+            from hvd_rl.runtime.tracking import WandbTracker
+
+            tracker = WandbTracker(self.run_dir, cfg.logging, cfg.to_dict(), {
+                "ranks": topo.size, "nodes": topo.cross_size, "ranks_per_node": topo.local_size,
+                "threads_per_rank": self.threads, "device": str(self.device), "precision": getattr(self.algorithm, "precision_mode", "off")})
+        return MetricsLogger(self.run_dir, cfg.logging.tensorboard, cfg.logging.console, purge_step=purge_step,
+                             tracker=tracker)
 
     # ---- environments -----------------------------------------------------------------------
 
@@ -467,7 +482,7 @@ class Runtime:
             "time_busy_by_rank": [float(b) for b in busy],
             "env_steps_per_busy_s_by_rank": [float(s) for s in local_steps / np.maximum(busy, 1e-9)],
             "cpu_util_by_rank": [float(c) for c in cpu_by_rank / wall],
-            # Memory touched anew (hvd_rl/heap.py): near 0 in steady state when freed memory is kept.
+            # Memory touched anew (hvd_rl/runtime/heap.py): near 0 in steady state when freed memory is kept.
             "page_faults_by_rank": [int(f) for f in faults_by_rank],
         })
         if cfg.distributed.verify_every and iteration % cfg.distributed.verify_every == 0:
@@ -629,6 +644,7 @@ class Runtime:
                 "communication": self._communication_summary(),
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            self._logger().summary(summary)
             self._logger().note(f"done: global step {progress.global_step}, parameters identical "
                                 f"on all ranks: {identical}")
         if not identical:

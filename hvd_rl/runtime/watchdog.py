@@ -38,7 +38,7 @@ import torch
 
 import horovod.torch as hvd
 
-EXIT_PEER_LOST = 4  # a peer rank stopped answering (node down or unreachable); see README
+EXIT_PEER_LOST = 4  # a peer rank stopped answering (node down or unreachable); see docs/outputs.md
 HEARTBEAT_NAME = "hvd_rl.peer_heartbeat"  # one name, reused: Horovod caches its negotiation
 
 

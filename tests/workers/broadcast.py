@@ -6,9 +6,9 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from hvd_rl import distributed as dist
+from hvd_rl.runtime import distributed as dist
 from hvd_rl.config import ModelConfig
-from hvd_rl.models import build_model
+from hvd_rl.algorithms.models import build_model
 
 topo = dist.init()
 torch.manual_seed(100 + topo.rank)  # deliberately different on every rank

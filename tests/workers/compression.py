@@ -6,8 +6,8 @@ import json
 
 import torch
 
-from hvd_rl import distributed as dist
-from hvd_rl.compression import PowerSGD, TopK
+from hvd_rl.runtime import distributed as dist
+from hvd_rl.runtime.compression import PowerSGD, TopK
 
 topo = dist.init()
 torch.manual_seed(0)

@@ -11,12 +11,12 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from hvd_rl import distributed as dist
+from hvd_rl.runtime import distributed as dist
 from hvd_rl.config import ModelConfig, PPOConfig
-from hvd_rl.envs import EnvLayout
-from hvd_rl.models import build_model
+from hvd_rl.envs.vector import EnvLayout
+from hvd_rl.algorithms.models import build_model
 from hvd_rl.algorithms.ppo import Batch, PPOLearner
-from hvd_rl.precision import Precision
+from hvd_rl.runtime.precision import Precision
 
 out, kind, norm = sys.argv[1], sys.argv[2], sys.argv[3]
 compression = sys.argv[4] if len(sys.argv) > 4 else "none"

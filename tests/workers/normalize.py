@@ -9,8 +9,8 @@ import sys
 
 import numpy as np
 
-from hvd_rl import distributed as dist
-from hvd_rl.normalize import ReturnScaler, RunningNormalizer
+from hvd_rl.runtime import distributed as dist
+from hvd_rl.algorithms.normalize import ReturnScaler, RunningNormalizer
 
 out = sys.argv[1]
 topo = dist.init()

@@ -9,7 +9,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from hvd_rl import distributed as dist
+from hvd_rl.runtime import distributed as dist
 from hvd_rl.algorithms.ppo import PPO
 from hvd_rl.config import TrainConfig
 

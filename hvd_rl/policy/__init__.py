@@ -1,0 +1,1 @@
+"""Using a trained policy: evaluation (and, beside it, video and export)."""

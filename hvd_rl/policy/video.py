@@ -1,0 +1,113 @@
+"""Watching the agent: greedy episodes of a checkpoint's policy recorded as a video (mp4) or an
+animation (gif), from the environment's own `rgb_array` screen (the full-colour game for Atari,
+not the 84x84 grayscale the network sees). One frame after the reset and one per agent step."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from hvd_rl.config import ConfigError
+from hvd_rl.envs.vector import RankEnvs
+from hvd_rl.policy.trained import checkpoint_config, load_trained, single_process_env
+
+GIF_MAX_FPS = 50
+DEFAULT_MAX_FRAMES = 27_000  # 30 minutes at 15 frames/s (Atari's 60 Hz over a frame skip of 4)
+
+
+class RenderError(ValueError):
+    """The environment cannot give pictures here; the message says what would."""
+
+
+def _fps(envs: RankEnvs, frame_skip: int) -> float:
+    metadata = envs.vec.envs[0].metadata
+    fps = float(metadata.get("render_fps") or 30)
+    return fps / frame_skip if envs.atari else fps
+
+
+def _screen(envs: RankEnvs) -> np.ndarray:
+    try:
+        frame = envs.render()
+    except Exception as exc:  # noqa: BLE001 - each renderer fails in its own way (GL, pygame, ...)
+        hint = ""
+        if "mujoco" in type(exc).__module__.lower() or "GL" in str(exc) or "gl" in type(exc).__name__.lower():
+            hint = (" (MuJoCo draws with OpenGL: set MUJOCO_GL=egl on GPU nodes, or MUJOCO_GL=osmesa with "
+                    "Debian's libosmesa6 on CPU nodes)")
+        raise RenderError(f"the environment cannot render an rgb_array frame: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}{hint}") from None
+    if frame.ndim != 3 or frame.shape[2] != 3:
+        raise RenderError(f"the environment's rgb_array frame has shape {frame.shape}, not (height, width, 3)")
+    return frame
+
+
+def _write(frames: list[np.ndarray], video: Path | None, gif: Path | None, fps: float) -> None:
+    try:
+        import imageio.v2 as imageio
+        if video is not None:
+            import imageio_ffmpeg  # noqa: F401 - the ffmpeg binary behind imageio's mp4 writer
+    except ImportError as exc:
+        raise ConfigError(f"recording needs {exc.name}: pip install 'hvd_rl[tools]' "
+                          "(scripts/setup.sh installs it)") from None
+
+    if video is not None:
+        video.parent.mkdir(parents=True, exist_ok=True)
+        # libx264 needs even sizes; every renderer here gives them, and nothing is resized.
+        with imageio.get_writer(video, fps=fps, codec="libx264", quality=7, macro_block_size=2,
+                                ffmpeg_log_level="error") as writer:
+            for frame in frames:
+                writer.append_data(frame)
+    if gif is not None:
+        gif.parent.mkdir(parents=True, exist_ok=True)
+        # GIF counts hundredths of a second and viewers slow anything under 20 ms down: above
+        # GIF_MAX_FPS (MuJoCo's 125 frames/s) every k-th frame is kept, for the same duration.
+        step = max(1, math.ceil(fps / GIF_MAX_FPS))
+        imageio.mimsave(gif, frames[::step], duration=1000.0 * step / fps, loop=0)
+
+
+def record_checkpoint(path: str | Path, video: str | Path | None = None, gif: str | Path | None = None,
+                      episodes: int = 1, seed: int = 10_000, max_frames: int = DEFAULT_MAX_FRAMES,
+                      overrides: list[str] | None = None,
+                      note: Callable[[str], None] = lambda text: None) -> dict[str, Any]:
+    """Records `episodes` whole games (Atari: until the game is over, lives included) with greedy
+    actions; stops early at `max_frames`. Returns what was written."""
+    if video is None and gif is None:
+        raise ConfigError("give --video FILE.mp4 and/or --gif FILE.gif")
+    if episodes <= 0 or max_frames <= 1:
+        raise ConfigError(f"--episodes must be positive and --max-frames > 1, got {episodes} and {max_frames}")
+    cfg, state = checkpoint_config(path, overrides)
+    env_cfg = single_process_env(cfg.env, 1)
+    if env_cfg.backend != "sync":
+        note(f"env.backend {env_cfg.backend!r} cannot render; recording with 'sync' (the same game semantics: "
+             "tests/test_atari_semantics.py)")
+        env_cfg = replace(env_cfg, backend="sync")
+    if not os.environ.get("DISPLAY"):  # no screen: draw off-screen
+        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame (classic control)
+        os.environ.setdefault("MUJOCO_GL", "egl")  # MuJoCo: EGL (GPU, or Mesa's software EGL)
+    envs = RankEnvs(env_cfg, threads=max(1, torch.get_num_threads()), render_mode="rgb_array")
+    try:
+        trained = load_trained(path, envs, cfg, state)
+        torch.manual_seed(seed)
+        obs = envs.reset([seed])
+        frames = [_screen(envs)]
+        returns: list[float] = []
+        lengths: list[int] = []
+        while len(returns) < episodes and len(frames) < max_frames:
+            result = envs.step(trained.algorithm.act(obs, greedy=True))
+            frames.append(_screen(envs))
+            returns.extend(result.episode_returns)
+            lengths.extend(result.episode_lengths)
+            obs = result.obs
+        fps = _fps(envs, env_cfg.frame_skip)
+    finally:
+        envs.close()
+    _write(frames, Path(video) if video else None, Path(gif) if gif else None, fps)
+    return {"checkpoint": str(path), "env_id": cfg.env.id, "global_step": trained.global_step,
+            "frames": len(frames), "height": int(frames[0].shape[0]), "width": int(frames[0].shape[1]),
+            "fps": fps, "episodes": len(returns), "returns": [float(r) for r in returns],
+            "lengths": [int(n) for n in lengths], "complete": len(returns) >= episodes,
+            "video": str(video) if video else None, "gif": str(gif) if gif else None}
