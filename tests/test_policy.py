@@ -66,6 +66,7 @@ def test_video_and_gif_of_greedy_games(checkpoints, tmp_path, kind, size):
     # one frame after the reset and one per agent step, until the game ended or the cap
     assert result["frames"] == (1 + sum(result["lengths"]) if result["complete"] else 400)
     assert (result["height"], result["width"]) == size
+    assert result["fps"] == {"atari": 15.0, "cartpole": 50.0, "hopper": 125.0}[kind]  # real time
     frames = np.stack(list(iio.imiter(video, plugin="FFMPEG")))
     assert frames.shape == (result["frames"], *size, 3)
     assert frames.std() > 1.0  # pictures, not a blank screen

@@ -24,10 +24,14 @@ class RenderError(ValueError):
     """The environment cannot give pictures here; the message says what would."""
 
 
+ATARI_HZ = 60.0  # the console's frame rate; ale-py's render_fps metadata says 30
+
+
 def _fps(envs: RankEnvs, frame_skip: int) -> float:
-    metadata = envs.vec.envs[0].metadata
-    fps = float(metadata.get("render_fps") or 30)
-    return fps / frame_skip if envs.atari else fps
+    """Real time: one recorded frame per agent step, which is frame_skip console frames on Atari."""
+    if envs.atari:
+        return ATARI_HZ / frame_skip
+    return float(envs.vec.envs[0].metadata.get("render_fps") or 30)
 
 
 def _screen(envs: RankEnvs) -> np.ndarray:
