@@ -18,13 +18,11 @@ import re
 import subprocess
 import typing
 import unicodedata
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO
 from hvd_rl.config import ConfigError, TrainConfig, load_config, toml_string, validate
 from hvd_rl.cluster.slurm import TEMPLATES, SlurmRenderError, add_render_arguments, render_from_args, template_dir
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, QUICK, finish, host_discovery, launch_env, read_jsonl, start, train_cmd
+from conftest import BIN, QUICK, finish, host_discovery, read_jsonl, start, train_cmd
 from test_multinode import NODES, _cluster, running_cluster
 
 PEER_LOST = 4  # hvd_rl.runtime.watchdog.EXIT_PEER_LOST
