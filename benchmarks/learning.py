@@ -519,9 +519,9 @@ def _clip(result: ExperimentResult, report: Path) -> str | None:
             return None
         game = (f"a whole game, return {clip['returns'][0]:g}" if clip["complete"]
                 else f"the first {clip['frames']} frames of a game")
-        caption_file.write_text(f"The final policy of seed {run.spec.seed} (global step {clip['global_step']:,}), "
-                                f"greedy: {game}.\n")
-        return caption_file.read_text().strip()
+        caption = f"The final policy of seed {run.spec.seed} (global step {clip['global_step']:,}), greedy: {game}."
+        caption_file.write_text(caption + "\n")
+        return caption
     return caption_file.read_text().strip() if gif.exists() and caption_file.exists() else None
 
 

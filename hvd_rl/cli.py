@@ -278,11 +278,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
-    from hvd_rl.runtime.checkpoint import CheckpointError
     from hvd_rl.config import ConfigError
     from hvd_rl.policy.evaluate import evaluate_checkpoint
-
     from hvd_rl.policy.video import record_checkpoint
+    from hvd_rl.runtime.checkpoint import CheckpointError
 
     try:
         if args.video or args.gif:

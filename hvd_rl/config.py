@@ -387,9 +387,8 @@ MODEL_KINDS = ("auto", "nature_cnn", "mlp")
 WANDB_MODES = ("offline", "online")
 
 
-def _plain_name(text: str, empty_ok: bool, extra: str = "") -> bool:
+def _plain_name(text: str, empty_ok: bool, limit: int = 128, extra: str = "") -> bool:
     """A W&B project/entity/group name or tag: what W&B's UI and URLs take, one short line."""
-    limit = 64 if extra else 128
     return (empty_ok or bool(text)) and len(text) <= limit and all(c.isascii() and (c.isalnum() or c in "-_." + extra)
                                                                    for c in text)
 
@@ -521,7 +520,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     for name in ("wandb_project", "wandb_entity", "wandb_group"):
         need(_plain_name(getattr(lg, name), empty_ok=name != "wandb_project"),
              f"logging.{name} must be letters, digits and - _ . (at most 128), got {getattr(lg, name)!r}")
-    need(all(_plain_name(t, empty_ok=False, extra=" :/=+") for t in lg.wandb_tags),
+    need(all(_plain_name(t, empty_ok=False, limit=64, extra=" :/=+") for t in lg.wandb_tags),
          f"logging.wandb_tags must be short printable names (at most 64 each), got {lg.wandb_tags!r}")
     need(cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
     need(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")

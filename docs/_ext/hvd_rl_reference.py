@@ -49,7 +49,7 @@ def field_comments(cls: type) -> dict[str, str]:
     return comments
 
 
-def _probes(value: typing.Any, kind: typing.Any) -> list[typing.Any]:
+def _probes(kind: typing.Any) -> list[typing.Any]:
     if kind is bool:
         return []
     if kind is int:
@@ -70,7 +70,7 @@ def refusals(section: str | None, name: str, kind: typing.Any) -> list[str]:
 
     qualified = f"{section}.{name}" if section else name
     said: list[str] = []
-    for probe in _probes(None, kind):
+    for probe in _probes(kind):
         cfg = TrainConfig()
         target = getattr(cfg, section) if section else cfg
         setattr(target, name, probe)

@@ -98,7 +98,7 @@ def settings_from_environment(env: dict[str, str] | None = None) -> NodeSettings
     if index != main_index and main_address is None:
         raise BatchSetupError(f"node {index}: AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS is not set, so this "
                               "child cannot find the main node")
-    ranks = _int(env, "HVD_RL_RANKS_PER_NODE", default=0, low=1) if env.get("HVD_RL_RANKS_PER_NODE") else 0
+    ranks = _int(env, "HVD_RL_RANKS_PER_NODE", default=0, low=1)  # unset: 0, the node's GPUs or 1
     wait_text = env.get("HVD_RL_NODE_WAIT_S", "").strip()
     try:
         wait_s = float(wait_text) if wait_text else DEFAULT_WAIT_S

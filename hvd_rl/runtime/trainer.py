@@ -358,14 +358,12 @@ class Runtime:
 
     def _new_logger(self, purge_step: int | None) -> MetricsLogger:
         """Rank 0's outputs; with [logging] wandb, the W&B run of this run directory too."""
-        cfg, topo = self.cfg, dist.topology()
+        cfg = self.cfg
         tracker = None
         if cfg.logging.wandb:
             from hvd_rl.runtime.tracking import WandbTracker
 
-            tracker = WandbTracker(self.run_dir, cfg.logging, cfg.to_dict(), {
-                "ranks": topo.size, "nodes": topo.cross_size, "ranks_per_node": topo.local_size,
-                "threads_per_rank": self.threads, "device": str(self.device), "precision": getattr(self.algorithm, "precision_mode", "off")})
+            tracker = WandbTracker(self.run_dir, cfg.logging, cfg.to_dict(), self._layout_topology())
         return MetricsLogger(self.run_dir, cfg.logging.tensorboard, cfg.logging.console, purge_step=purge_step,
                              tracker=tracker)
 
@@ -666,12 +664,17 @@ class Runtime:
                         "compression_ratio": float(np.mean(ratios)) if ratios else None})
         return out
 
+    def _layout_topology(self) -> dict[str, Any]:
+        """What this rank knows of the run's layout without a collective (W&B's config at start)."""
+        topo = dist.topology()
+        return {"ranks": topo.size, "nodes": topo.cross_size, "ranks_per_node": topo.local_size,
+                "threads_per_rank": self.threads, "device": str(self.device),
+                "precision": getattr(self.algorithm, "precision_mode", "off")}
+
     def _topology(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         topo = dist.topology()
         hostnames = [r["hostname"] for r in ranks]
-        return {"ranks": topo.size, "nodes": topo.cross_size, "ranks_per_node": topo.local_size,
-                "threads_per_rank": self.threads, "device": str(self.device),
-                "precision": getattr(self.algorithm, "precision_mode", "off"),
+        return {**self._layout_topology(),
                 "runtime_settings": {name: os.environ.get(name) for name in (dist.YIELD_VAR, dist.CYCLE_VAR)},
                 "hierarchical_allreduce": dist.hierarchical_allreduce_status(topo, self.device),
                 "freed_memory_retained": self.heap_retained,
