@@ -76,7 +76,8 @@ def nature_cnn_gradients() -> list[tuple[str, torch.Tensor]]:
 def compressed_reductions(names: list[str], grads: list[tuple[str, torch.Tensor]], reps: int,
                           powersgd_rank: int, topk_ratio: float) -> list[dict]:
     """One row per compression: the slowest rank's median time to reduce the whole gradient."""
-    from hvd_rl.runtime.compression import CLOCK, PowerSGD, TopK
+    from hvd_rl.runtime.compression import PowerSGD, TopK
+    from hvd_rl.runtime.distributed import CLOCK
 
     rows = []
     dense_bytes = sum(g.numel() * 4 for _, g in grads)
@@ -107,9 +108,9 @@ def compressed_reductions(names: list[str], grads: list[tuple[str, torch.Tensor]
         outside: list[float] = []  # per call, this rank's seconds in reduce() outside the collectives
 
         def measured(reduce=reduce):
-            inside, start = CLOCK.collective_seconds, time.perf_counter()
+            inside, start = CLOCK.compression_collective_seconds, time.perf_counter()
             reduce()
-            outside.append(time.perf_counter() - start - (CLOCK.collective_seconds - inside))
+            outside.append(time.perf_counter() - start - (CLOCK.compression_collective_seconds - inside))
 
         cpu_before, wall_before = time.process_time(), time.perf_counter()
         times = timed(measured, reps, warmup=1)

@@ -235,7 +235,8 @@ def test_replay_shard_is_fsynced_before_the_rename_and_a_corrupt_one_is_not_rest
         monkeypatch.setattr(os, "replace", real_replace)
         kinds = [(kind, None if mode is None else ("dir" if stat.S_ISDIR(mode) else "file"))
                  for kind, mode in events]
-        assert kinds == [("fsync", "file"), ("replace", None), ("fsync", "dir")]
+        # The shard, then its manifest (sha256, iteration), are down before the shard's rename.
+        assert kinds == [("fsync", "file"), ("fsync", "file"), ("replace", None), ("replace", None), ("fsync", "dir")]
         path = tmp_path / "replay" / "rank00000.npz"
         assert algo.load_local(tmp_path, 1, 0)
         data = bytearray(path.read_bytes())

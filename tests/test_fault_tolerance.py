@@ -36,12 +36,16 @@ def test_checkpoints_are_atomic_verified_and_pruned(tmp_path):
     names = sorted(p.name for p in ckpts.iterdir())
     # iterations 3, 6, 9 and the final 10; the newest two kept, each with its manifest
     assert names == ["ckpt_00000009.json", "ckpt_00000009.pt", "ckpt_00000010.json", "ckpt_00000010.pt",
-                     "latest.pt"]
+                     "latest.pt", "ranks"]
+    # each rank's own state (RNG, compression), of the newest checkpoint, with its manifest
+    assert sorted(p.name for p in (ckpts / "ranks").iterdir()) == [
+        "rank00000.json", "rank00000.pt", "rank00001.json", "rank00001.pt"]
+    assert all(json.loads((ckpts / "ranks" / f"rank{r:05d}.json").read_text())["iteration"] == 10 for r in (0, 1))
     assert os.readlink(ckpts / "latest.pt") == "ckpt_00000010.pt"
     state = load_checkpoint(ckpts / "latest.pt")  # weights_only=True inside
     assert state["iteration"] == 10 and state["global_step"] == 1280 and state["world_size"] == 2
-    assert len(state["rng"]["torch"]) == 2  # one RNG state per rank
-    assert state["config"]["env"]["id"] == "CartPole-v1" and state["format_version"] == 2
+    assert "rng" not in state  # per rank, in ranks/
+    assert state["config"]["env"]["id"] == "CartPole-v1" and state["format_version"] == 3
     assert state["algorithm"] == "ppo" and state["env_counts"] == [2, 2]
     assert state["lr_schedule"]["global_step"] == 1280 and {"model", "optimizer"} <= set(state["state"])
     manifests = [json.loads((ckpts / f"ckpt_{i:08d}.json").read_text()) for i in (9, 10)]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +36,7 @@ from torch import nn
 
 from hvd_rl.runtime import distributed as dist
 from hvd_rl.algorithms.base import Algorithm, IterationContext, IterationReport, NonFiniteLossError, UnsupportedSetup
-from hvd_rl.runtime.checkpoint import warn
+from hvd_rl.runtime.checkpoint import save_rank_file, verified_rank_file, warn
 from hvd_rl.config import TrainConfig
 from hvd_rl.envs.vector import EnvLayout, RankEnvs
 from hvd_rl.algorithms.models import build_q_network, model_signature
@@ -122,34 +121,29 @@ class DQN(Algorithm):
     # ---- replay shards on disk (optional) ----
 
     def save_local(self, run_dir: Path, iteration: int, rank: int) -> None:
+        """This rank's replay shard, written the way every per-rank file is (checkpoint.save_rank_file:
+        atomic rename, manifest with the checkpoint's iteration and the file's sha256)."""
         if not self.cfg.dqn.checkpoint_replay or self.replay is None:
             return
-        directory = Path(run_dir) / REPLAY_DIR
-        directory.mkdir(parents=True, exist_ok=True)
-        final = directory / f"rank{rank:05d}.npz"
-        tmp = directory / f".rank{rank:05d}.tmp.npz"
-        with open(tmp, "wb") as f:
-            np.savez(f, iteration=np.array(iteration), **self.replay.state())
-            f.flush()
-            os.fsync(f.fileno())  # the data is down before the name points at it
-        os.replace(tmp, final)
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # and the rename too
-        finally:
-            os.close(fd)
+        state = self.replay.state()
+        save_rank_file(Path(run_dir) / REPLAY_DIR / f"rank{rank:05d}.npz",
+                       lambda f: np.savez(f, iteration=np.array(iteration), **state), iteration)
 
     def load_local(self, run_dir: Path, iteration: int, rank: int) -> bool:
         """Restores this rank's shard if one was saved with the checkpoint being resumed."""
         path = Path(run_dir) / REPLAY_DIR / f"rank{rank:05d}.npz"
         if not self.cfg.dqn.checkpoint_replay or self.replay is None or not path.exists():
             return False
+        problem = verified_rank_file(path, iteration)
+        if problem is not None:
+            if "iteration" not in problem:  # another checkpoint's shard is expected after a rollback
+                warn(f"rank {rank}: replay shard {path} is unreadable ({problem}); discarding it")
+                self.discard_local()
+            return False
         try:
             with np.load(path) as data:
-                if int(data["iteration"]) != iteration:
-                    return False
                 self.replay.load({k: data[k] for k in data.files if k != "iteration"})
-        except Exception as exc:  # noqa: BLE001 - truncated/corrupted file (BadZipFile, zlib, EOF...)
+        except Exception as exc:  # noqa: BLE001 - unreadable despite its manifest (BadZipFile, zlib, EOF...)
             # Reported as "not restored": the runtime's allreduce makes every rank refill.
             warn(f"rank {rank}: replay shard {path} is unreadable ({type(exc).__name__}: {exc}); "
                  "discarding it")

@@ -91,3 +91,19 @@ class Balancer:
 
 def _fmt(values: np.ndarray) -> str:
     return "/".join(f"{v:.2f}" for v in values)
+
+
+def agree_on_layout(balancer: Balancer, iteration: int, counts: tuple[int, ...],
+                    busy_seconds: np.ndarray) -> Decision | None:
+    """Collective, after every iteration: feeds the balancer; when a decision is due, rank 0
+    decides and every rank receives the same one (or None: keep the layout)."""
+    from hvd_rl.runtime import distributed as dist
+
+    if not balancer.enabled:
+        return None
+    balancer.observe(counts, busy_seconds)
+    if not balancer.due(iteration):
+        return None
+    decision = balancer.decide(counts) if dist.topology().rank == 0 else None
+    agreed = dist.broadcast_object(decision and (decision.counts, decision.reason), name="balance.decision")
+    return None if agreed is None else Decision(tuple(agreed[0]), agreed[1])

@@ -24,16 +24,20 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import torch
 
-FORMAT_VERSION = 2  # 2: algorithm-independent layout ("algorithm", "state", "env_counts")
+# 2: algorithm-independent layout ("algorithm", "state", "env_counts"), every rank's RNG and
+#    compression state gathered into it; 3: those in per-rank files (hvd_rl/runtime/checkpointing.py)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)
 REQUIRED_KEYS = ("format_version", "iteration", "global_step", "seed_offset", "world_size",
-                 "env_counts", "config", "signature", "state", "rng")
+                 "env_counts", "config", "signature", "state")
 _V1_KEYS = ("format_version", "iteration", "global_step", "seed_offset", "world_size",
             "envs_per_rank", "config", "signature", "model", "optimizer", "rng")
 _NAME = re.compile(r"^ckpt_(\d{8,})\.pt$")
+RANK_DIR = "ranks"  # checkpoints/ranks/rank<r>.pt: each rank's RNG and compression state
 
 
 class CheckpointError(RuntimeError):
@@ -136,7 +140,8 @@ def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
     """Deletes temporary files a crashed writer left behind (rank 0, before a run starts),
     also under replay/ (DQN's replay shards: `.rank<r>.tmp.npz` of a crash mid-save)."""
     removed = []
-    for directory in (checkpoint_dir(run_dir), Path(run_dir), Path(run_dir) / "replay"):
+    for directory in (checkpoint_dir(run_dir), checkpoint_dir(run_dir) / RANK_DIR, Path(run_dir),
+                      Path(run_dir) / "replay"):
         if directory.is_dir():
             for path in directory.glob(".*.tmp*"):
                 if path.is_file() or path.is_symlink():
@@ -175,18 +180,19 @@ def load_checkpoint(path: str | Path, require_manifest: bool = False) -> dict[st
     version = state.get("format_version")
     if version == 1 and all(k in state for k in _V1_KEYS):
         return _from_v1(state)
-    missing = [k for k in REQUIRED_KEYS if k not in state]
+    missing = [k for k in REQUIRED_KEYS + (("rng",) if version == 2 else ()) if k not in state]
     if missing:
         raise CheckpointError(f"{path} is not an hvd_rl checkpoint (missing {', '.join(missing)})")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"{path} has checkpoint format {version}, this hvd_rl reads {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise CheckpointError(f"{path} has checkpoint format {version}, this hvd_rl reads "
+                              f"{', '.join(map(str, READABLE_VERSIONS))}")
     return state
 
 
 def _from_v1(state: dict[str, Any]) -> dict[str, Any]:
     """Format 1 (PPO only, before the runtime/algorithm split) in the current layout."""
     converted = {k: v for k, v in state.items() if k not in ("model", "optimizer", "scaler", "envs_per_rank")}
-    converted.update(format_version=FORMAT_VERSION, algorithm="ppo",
+    converted.update(format_version=2, algorithm="ppo",
                      env_counts=[int(state["envs_per_rank"])] * int(state["world_size"]),
                      state={"model": state["model"], "optimizer": state["optimizer"],
                             "scaler": state.get("scaler") or {}})
@@ -222,6 +228,47 @@ def check_compatible(state: dict[str, Any], signature: dict[str, Any], env_id: s
         raise CheckpointError(
             "checkpoint model does not match this run's model (differs in: "
             + ", ".join(diff[:5]) + (" ..." if len(diff) > 5 else "") + ")")
+
+
+# ---- per-rank files: state each rank owns (RNG, compression residuals, replay shards) ----------
+
+def save_rank_file(path: Path, write: Callable[[BinaryIO], None], iteration: int) -> None:
+    """Every rank, at a checkpoint: its own state, written by `write`, with the checkpoint's write
+    discipline (temporary file + fsync, manifest of sha256 and size written atomically, rename into
+    place, directory fsync). Per rank rather than gathered to rank 0, whose file would otherwise grow
+    with the rank count (residuals of the Atari net: ~7 MB a rank)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        manifest = {"file": path.name, "sha256": _sha256(tmp), "bytes": tmp.stat().st_size,
+                    "iteration": iteration, "written_at": time.time(), "hostname": socket.gethostname()}
+        _atomic_write_text(path.with_suffix(".json"), json.dumps(manifest, indent=1))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
+
+
+def verified_rank_file(path: Path, iteration: int) -> str | None:
+    """Why the per-rank file at `path` cannot be used for the checkpoint of `iteration` (missing,
+    from another checkpoint, truncated or damaged), or None when it can."""
+    manifest_path = path.with_suffix(".json")
+    if not path.exists() or not manifest_path.exists():
+        return f"{path.name} is missing"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        return f"{manifest_path.name} is unreadable"
+    if manifest.get("iteration") != iteration:
+        return f"{path.name} is from iteration {manifest.get('iteration')}, the checkpoint from {iteration}"
+    if path.stat().st_size != manifest.get("bytes") or _sha256(path) != manifest.get("sha256"):
+        return f"{path.name} is truncated or damaged (its manifest does not match)"
+    return None
 
 
 def warn(message: str) -> None:

@@ -19,9 +19,15 @@ one vector, keep their k = ratio x size largest entries; values and indices are 
 summed into the dense average. At ratio 1 that is the exact average.
 
 State: PowerSGD's Q is the same on every rank (it is made of averages); the residuals are each
-rank's own. Both are checkpointed (`state_dict`, residuals per rank). A resume onto another
-number of ranks, or an elastic reset, cannot map residuals to ranks: they restart at zero (what
-they held is the last steps' dropped part, not a divergence), Q is kept.
+rank's own. Both live on the gradients' device and are checkpointed by each rank in its own file
+(hvd_rl/runtime/rank_state.py) as CPU tensors (`state_dict`), loaded back onto each parameter's
+device and dtype (`load_state_dict`). A resume onto another number of ranks, or an elastic reset,
+cannot map residuals to ranks: they restart at zero (what they held is the last steps' dropped
+part, not a divergence), Q is kept.
+
+Determinism: every rank must compute the same step bit for bit. The reductions here are fixed-order
+sums (top-k adds the ranks' sparse parts one rank after another, never an atomic scatter such as
+CUDA's `index_add_`), and every index tensor is made on the gradients' device.
 """
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ from typing import Any, Sequence
 import torch
 
 import horovod.torch as hvd
+
+from hvd_rl.runtime.distributed import CLOCK
 
 MIN_COMPRESSION_RATE = 2.0  # as PyTorch's powerSGD_hook: compress a matrix only if P + Q is <= half of it
 
@@ -50,10 +58,21 @@ class Compressor:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
-        return {"residuals": {i: r.clone() for i, r in self.residuals.items()}}
+        """CPU copies (a checkpoint loads anywhere: map_location='cpu', weights_only=True)."""
+        return {"residuals": _to_cpu(self.residuals)}
+
+    def shared_state_dict(self) -> dict[str, Any]:
+        """The part that is the same on every rank (survives a change of rank count)."""
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.residuals = {int(i): r.clone() for i, r in state.get("residuals", {}).items()}
+        self.residuals = self._on_params(state.get("residuals", {}))
+
+    def _on_params(self, tensors: dict[Any, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Saved tensors by parameter index, onto that parameter's device and dtype (a checkpoint
+        written on CPU resumed on CUDA, or the other way)."""
+        return {int(i): t.to(device=self.params[int(i)].device, dtype=self.params[int(i)].dtype, copy=True)
+                for i, t in tensors.items()}
 
     def reset_residuals(self) -> None:
         self.residuals.clear()
@@ -63,27 +82,14 @@ class Compressor:
         return grad if residual is None else grad + residual
 
 
-class CompressionClock:
-    """Seconds of compression compute (everything in `reduce` but the collectives) and gradient
-    bytes handed to collectives, by every reduction of this process (metrics: time_compress,
-    comm_bytes)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.bytes = 0
-        self.dense_bytes = 0  # what the same reductions would have sent uncompressed
-        self.collective_seconds = 0.0  # inside reduce(): blocked in Horovod
-
-
-CLOCK = CompressionClock()
-
-
 def _collective(fn, *args, **kwargs):
+    """A collective inside a compressed reduction, timed so that the compute around it can be told
+    apart (the process's one clock: hvd_rl/runtime/distributed.py's CLOCK)."""
     start = time.perf_counter()
     try:
         return fn(*args, **kwargs)
     finally:
-        CLOCK.collective_seconds += time.perf_counter() - start
+        CLOCK.compression_collective_seconds += time.perf_counter() - start
 
 
 def _allreduce_average(tensors: list[torch.Tensor], name: str) -> tuple[list[torch.Tensor], int]:
@@ -159,11 +165,14 @@ class PowerSGD(Compressor):
         return sent
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "q": {i: q.clone() for i, q in self.q.items()}}
+        return {**super().state_dict(), **self.shared_state_dict()}
+
+    def shared_state_dict(self) -> dict[str, Any]:
+        return {"q": _to_cpu(self.q)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.q = {int(i): q.clone() for i, q in state.get("q", {}).items()}
+        self.q = self._on_params(state.get("q", {}))
 
 
 class TopK(Compressor):
@@ -179,23 +188,44 @@ class TopK(Compressor):
             return 0
         vectors = [self._with_residual(i, p.grad).reshape(-1) for i, p in items]
         flat = torch.cat(vectors)
-        k = max(1, math.ceil(self.ratio * flat.numel()))
-        indices = torch.topk(flat.abs(), k, sorted=False).indices if k < flat.numel() else torch.arange(flat.numel())
-        indices = indices.sort().values  # a fixed order: every rank sums the gathered entries alike
+        k = self.kept(flat.numel())
+        if k < flat.numel():
+            indices = torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+        else:
+            indices = torch.arange(flat.numel(), device=flat.device)
         values = flat[indices]
+        wire_indices = indices.to(torch.int32 if flat.numel() < 2 ** 31 else torch.int64)
         all_values = _collective(hvd.allgather, values, name="compression.topk_values")
-        all_indices = _collective(hvd.allgather, indices.to(torch.int32 if flat.numel() < 2 ** 31 else torch.int64),
-                                  name="compression.topk_indices")
-        dense = torch.zeros_like(flat).index_add_(0, all_indices.long(), all_values) / hvd.size()
-        kept = torch.zeros_like(flat).index_copy_(0, indices, values)
-        residual = flat - kept
+        all_indices = _collective(hvd.allgather, wire_indices, name="compression.topk_indices")
+        dense = _sum_sparse_by_rank(flat, all_indices.long().view(-1, k), all_values.view(-1, k)) / hvd.size()
+        residual = flat.clone()
+        residual[indices] = 0  # what this rank kept went out; the rest stays behind
         offset = 0
         for (i, p), v in zip(items, vectors):
             size = v.numel()
             self.residuals[i] = residual[offset:offset + size].view_as(p.grad).clone()
             p.grad.copy_(dense[offset:offset + size].view_as(p.grad))
             offset += size
-        return values.numel() * values.element_size() + indices.numel() * (4 if flat.numel() < 2 ** 31 else 8)
+        return values.numel() * values.element_size() + wire_indices.numel() * wire_indices.element_size()
+
+    def kept(self, size: int) -> int:
+        """Entries each rank sends of a flattened gradient of `size` (the same on every rank)."""
+        return max(1, math.ceil(self.ratio * size))
+
+
+def _sum_sparse_by_rank(like: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """sum over ranks r of the sparse vector (indices[r], values[r]), added rank after rank: each
+    rank's indices are distinct, so each addition is a plain gather-add-scatter with no races, and
+    the order of the float additions is the same on every rank and every device (an atomic scatter
+    such as `index_add_` on CUDA adds in whatever order the threads arrive)."""
+    dense = torch.zeros_like(like)
+    for rank_indices, rank_values in zip(indices, values):
+        dense[rank_indices] = dense[rank_indices] + rank_values
+    return dense
+
+
+def _to_cpu(tensors: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    return {i: t.detach().to("cpu", copy=True) for i, t in tensors.items()}
 
 
 class _CompressingOptimizer:
@@ -211,11 +241,11 @@ class _CompressingOptimizer:
 
     def synchronize(self) -> None:
         if not self._synchronized:
-            start, blocked = time.perf_counter(), CLOCK.collective_seconds
-            CLOCK.bytes += self.compressor.reduce()
-            CLOCK.dense_bytes += sum(p.grad.numel() * p.grad.element_size() for p in self.compressor.params
-                                     if p.grad is not None)
-            CLOCK.seconds += time.perf_counter() - start - (CLOCK.collective_seconds - blocked)
+            start, blocked = time.perf_counter(), CLOCK.compression_collective_seconds
+            sent = self.compressor.reduce()
+            dense = sum(p.grad.numel() * p.grad.element_size() for p in self.compressor.params if p.grad is not None)
+            compute = time.perf_counter() - start - (CLOCK.compression_collective_seconds - blocked)
+            CLOCK.add_compression(compute, sent, dense)
             self._synchronized = True
 
     def skip_synchronize(self):
@@ -247,41 +277,17 @@ def compressing_optimizer(optimizer: torch.optim.Optimizer, compressor: Compress
     return cls(optimizer.param_groups, compressor)
 
 
-# ---- state across checkpoints, resumes and elastic resets (collective; the runtime calls these) ----
+# ---- state across resumes and elastic resets (the runtime calls these) ----
 
 def compressors_of(optimizers: Sequence[torch.optim.Optimizer]) -> list[Compressor]:
     return [o.compressor for o in optimizers if isinstance(getattr(o, "compressor", None), Compressor)]
 
 
-def gather_states(compressors: list[Compressor]) -> dict[str, Any] | None:
-    """Every rank's compressor states (its own residuals; Q is the same everywhere), for rank 0's
-    checkpoint. None without compression (every rank runs the same configuration)."""
-    if not compressors:
-        return None
-    states = hvd.allgather_object([c.state_dict() for c in compressors], name="checkpoint.compression")
-    return {"world_size": len(states), "by_rank": states}
-
-
-def restore_states(compressors: list[Compressor], saved: dict[str, Any] | None) -> str | None:
-    """After a resume: each rank its own residuals if the rank count is the checkpoint's; on
-    another rank count they cannot be mapped to ranks and start at zero (PowerSGD's Q, the same on
-    every rank, is kept). Returns a note for the log, or None."""
-    if not compressors or not saved:
-        return None
-    same_world = saved["world_size"] == hvd.size()
-    mine = saved["by_rank"][hvd.rank() if same_world else 0]
-    for compressor, state in zip(compressors, mine):
-        compressor.load_state_dict(state)
-        if not same_world:
-            compressor.reset_residuals()
-    return ("compression residuals and state restored" if same_world else
-            f"compression residuals restarted at zero ({saved['world_size']} -> {hvd.size()} ranks), state kept")
-
-
-def sync_after_reset(compressors: list[Compressor]) -> None:
-    """Elastic reset: ranks were renumbered or joined, so residuals restart at zero and rank 0's
-    PowerSGD Q goes to everyone (a joined worker has none)."""
+def broadcast_shared_state(compressors: list[Compressor]) -> None:
+    """Collective: rank 0's shared state (PowerSGD's Q) to every rank (a worker that just joined
+    has none). Residuals are each rank's own and are not touched here."""
     for index, compressor in enumerate(compressors):
-        compressor.reset_residuals()
-        if isinstance(compressor, PowerSGD):
-            compressor.q = hvd.broadcast_object(compressor.q, root_rank=0, name=f"elastic.compression.{index}")
+        shared = hvd.broadcast_object(compressor.shared_state_dict(), root_rank=0, name=f"compression.shared.{index}")
+        residuals = compressor.residuals
+        compressor.load_state_dict(shared)
+        compressor.residuals = residuals

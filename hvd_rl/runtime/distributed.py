@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -204,20 +204,55 @@ def select_device(topo: Topology, requested: str = "auto") -> torch.device:
 # ---- collectives (always named; called in the same order on every rank) -------------------------
 
 class CollectiveClock:
-    """Counts this process's collectives and the seconds spent blocked in them.
+    """This process's one clock of communication: collectives counted, seconds blocked in them,
+    the compression compute done inside gradient reductions, and the gradient bytes handed over.
 
     Every collective costs at least one Horovod coordination cycle, so their number per iteration
     is a cost of its own (the throughput benchmark reports it). The blocked time is later split
     into communication (the fastest rank's time: it never waits) and waiting for slower ranks.
+    Algorithms time a whole gradient reduction as collective time (`add`); the compression
+    compute inside it (`add_compression`) is this rank's work, so a reading's `blocked` leaves it
+    out. Read it with `reading()` before and after, and subtract the two readings.
     """
 
     def __init__(self) -> None:
         self.count = 0
         self.seconds = 0.0
+        self.compression_seconds = 0.0  # compute inside compressed reductions (not blocked)
+        self.compression_collective_seconds = 0.0  # the collectives those reductions issued
+        self.bytes = 0  # gradient bytes handed to collectives
+        self.dense_bytes = 0  # what the same reductions would have sent uncompressed
 
     def add(self, count: int, seconds: float) -> None:
         self.count += count
         self.seconds += seconds
+
+    def add_compression(self, compute_seconds: float, sent: int, dense: int) -> None:
+        self.compression_seconds += compute_seconds
+        self.bytes += sent
+        self.dense_bytes += dense
+
+    def reading(self) -> "ClockReading":
+        return ClockReading(self.count, self.seconds, self.compression_seconds, self.bytes, self.dense_bytes)
+
+
+@dataclass(frozen=True)
+class ClockReading:
+    """The clock at one moment; the difference of two readings is what happened between them."""
+
+    count: int = 0
+    seconds: float = 0.0
+    compression_seconds: float = 0.0
+    bytes: int = 0
+    dense_bytes: int = 0
+
+    def __sub__(self, earlier: "ClockReading") -> "ClockReading":
+        return ClockReading(*(a - b for a, b in zip(astuple(self), astuple(earlier))))
+
+    @property
+    def blocked(self) -> float:
+        """Seconds waiting in collectives (communication and slower ranks), compute left out."""
+        return self.seconds - self.compression_seconds
 
 
 CLOCK = CollectiveClock()
@@ -341,8 +376,7 @@ def distributed_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modu
     original = getattr(wrapped, method)
 
     def counted(*args, **kwargs):
-        C.CLOCK.bytes += per_reduction
-        C.CLOCK.dense_bytes += dense
+        CLOCK.add_compression(0.0, per_reduction, dense)
         return original(*args, **kwargs)
 
     setattr(wrapped, method, counted)

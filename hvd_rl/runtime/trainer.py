@@ -10,6 +10,11 @@ What happens, in order (every step collective unless marked):
            every `checkpoint.every` iterations; the run ends exactly at total_timesteps
 4. finish  parameters checked identical on all ranks, final checkpoint, summary.json
 
+Each part lives in the module that owns it; this file is the loop that calls them: resume
+(resume.py), checkpoints written and per-rank state (checkpointing.py), the iteration's metrics
+(iteration_metrics.py), preemption (preemption.py), load balancing (balance.py), elastic state
+(elastic.py), the run summary (summary.py).
+
 Stop decisions are collective: a preemption signal (or a stop file written by the batch script)
 on any rank makes every rank checkpoint at the same iteration and exit 75; a non-finite loss on
 any rank makes every rank exit 3. In elastic mode (`hvd-rl train --elastic` under horovodrun)
@@ -18,104 +23,43 @@ takes part in every collective.
 """
 from __future__ import annotations
 
-import copy
 import json
-import math
 import os
-import platform
-import signal
 import socket
-import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-import horovod
 import numpy as np
-from horovod.common.elastic import ObjectState
 import torch
 
 from hvd_rl import __version__
-from hvd_rl.runtime import compression
-from hvd_rl.runtime import distributed as dist
-from hvd_rl.runtime import watchdog
 from hvd_rl.algorithms import build_algorithm
-from hvd_rl.algorithms.base import Algorithm, IterationContext, IterationReport, NonFiniteLossError
-from hvd_rl.runtime.balance import Balancer
-from hvd_rl.runtime.checkpoint import (CheckpointError, check_compatible, find_resumable, list_checkpoints,
-                               load_checkpoint, remove_stale_temporaries, save_checkpoint, warn)
+from hvd_rl.algorithms.base import Algorithm, IterationContext, NonFiniteLossError  # noqa: F401 - cli's names
 from hvd_rl.config import TrainConfig
 from hvd_rl.envs.vector import EnvLayout, RankEnvs, env_seeds
-from hvd_rl.runtime.heap import page_faults, retain_freed_memory
-from hvd_rl.runtime.metrics import (BALANCE_FILE, ENV_SEEDS_FILE, METRICS_FILE, MetricsLogger, RemainingTime, log_line,
-                            truncate_metrics)
+from hvd_rl.runtime import compression, elastic, iteration_metrics, resume, summary, watchdog
+from hvd_rl.runtime import distributed as dist
+from hvd_rl.runtime.balance import Balancer, agree_on_layout
+from hvd_rl.runtime.checkpoint import CheckpointError, check_compatible
+from hvd_rl.runtime.checkpointing import restore_rank_state, write_checkpoint
+from hvd_rl.runtime.heap import retain_freed_memory
+from hvd_rl.runtime.metrics import BALANCE_FILE, ENV_SEEDS_FILE, MetricsLogger, RemainingTime
+from hvd_rl.runtime.preemption import (EXIT_PREEMPTED, STOP_FILE, Preempted,  # noqa: F401 - cli's names
+                                       PreemptionFlag, preempted_exit_code, stop_after_checkpoint)
 
 # Exit codes, identical on every rank (documented in docs/outputs.md, used by the SLURM templates).
 EXIT_OK = 0
 EXIT_FAILURE = 1  # unexpected error (a bug, a crashed rank)
 EXIT_BAD_INPUT = 2  # config, environment, checkpoint or run-directory problem
 EXIT_NONFINITE = 3  # NaN/Inf loss: the last good checkpoint is left untouched
-EXIT_PREEMPTED = 75  # checkpointed after SIGTERM/SIGUSR1; rerun with --resume auto (EX_TEMPFAIL)
 EXIT_PEER_LOST = watchdog.EXIT_PEER_LOST  # 4: the other ranks stopped answering (a node down)
-
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-PREEMPTED_MARKER = "preempted.json"  # written by rank 0 next to the checkpoint when preempted
-STOP_FILE = "stop.request"  # created by a batch script (any launcher) to ask for a checkpoint + exit 75
-
-
-class Preempted(Exception):
-    """All ranks agreed to stop after a preemption signal; a checkpoint was written."""
-
-
-def preempted_exit_code() -> int:
-    """75, unless HVD_RL_PREEMPTED_EXIT_CODE says otherwise: the SLURM template sets 0 under
-    mpirun, which would otherwise abort the job at the first rank's exit 75 and kill the others
-    (it requeues on preempted.json instead)."""
-    value = os.environ.get("HVD_RL_PREEMPTED_EXIT_CODE", "")
-    return int(value) if value.isdigit() else EXIT_PREEMPTED
+# EXIT_PREEMPTED = 75: checkpointed after SIGTERM/SIGUSR1 (hvd_rl/runtime/preemption.py)
 
 
 class BadInput(ValueError):
     """Something the user must fix (model/observation mismatch...); the same on every rank."""
-
-
-class PreemptionFlag:
-    """SIGTERM/SIGUSR1, or a stop file in the run directory, acted on collectively.
-
-    The signal handler only records the signal: it may run between any two bytecodes, where a
-    print can raise a reentrant-call error and Horovod may be mid-reset. Rank 0 also looks for
-    the stop file (at most once a second), which works whatever the launcher does with signals
-    (horovodrun does not forward SIGUSR1; mpirun answers SIGTERM by killing the job).
-    """
-
-    def __init__(self, stop_file: Path | None = None) -> None:
-        self.signum: int | None = None
-        self.stop_file = stop_file
-        self._file_seen = False
-        self._next_file_check = 0.0
-
-    def install(self) -> None:
-        for sig in PREEMPTION_SIGNALS:
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if self.signum is None:
-            self.signum = signum
-
-    @property
-    def raised(self) -> bool:
-        if self.signum is not None or self._file_seen:
-            return True
-        if self.stop_file is not None and time.monotonic() >= self._next_file_check:
-            self._next_file_check = time.monotonic() + 1.0
-            self._file_seen = self.stop_file.exists()
-        return self._file_seen
-
-    def describe(self) -> str:
-        if self.signum is not None:
-            return f"received {signal.Signals(self.signum).name}"
-        return f"found {self.stop_file}" if self._file_seen else "another rank asked to stop"
 
 
 @dataclass
@@ -136,8 +80,6 @@ def _rank_seed(base: int, seed_offset: int, rank: int) -> int:
 
 def probe_spaces(cfg: TrainConfig):
     """Observation and action spaces of the configured environment (one env, no collective)."""
-    from dataclasses import replace
-
     env_cfg = replace(cfg.env, num_envs=1, backend="sync" if cfg.env.backend == "async" else cfg.env.backend)
     probe = RankEnvs(env_cfg, threads=1)
     try:
@@ -170,7 +112,7 @@ class Runtime:
         self._local_state_iteration: int | None = None  # resumed checkpoint, for Algorithm.load_local
         self._last_checkpoint_iteration = -1
         self._summary_step: int | None = None  # global step of the run directory's summary.json
-        self._communication: list[tuple] = []  # (comm_bytes, time_compress, compression_ratio) per iteration
+        self._communication = summary.CommunicationLog()
         self._start_time = time.time()
         self._start_step = 0
         self._remaining = RemainingTime()
@@ -211,11 +153,12 @@ class Runtime:
         ckpt, ckpt_path, error = None, None, None
         if topo.rank == 0:
             try:
-                ckpt_path, ckpt = self._prepare_run_dir()
+                ckpt_path, ckpt = resume.prepare_run_dir(self.run_dir, self.resume)
             except (OSError, CheckpointError) as exc:
                 error = str(exc)
         dist.agree_on_error(error, name="setup.run_dir")
-        info = dist.broadcast_object(self._resume_info(ckpt, ckpt_path, cfg), name="setup.resume_info")
+        info_dict = resume.resume_info(self.run_dir, ckpt, ckpt_path, cfg).to_dict() if topo.rank == 0 else None
+        info = resume.ResumeInfo(**dist.broadcast_object(info_dict, name="setup.resume_info"))
 
         error = None
         if ckpt is not None:
@@ -229,95 +172,32 @@ class Runtime:
                 error = f"cannot resume from {ckpt_path}: {exc}"
         dist.agree_on_error(error, name="setup.checkpoint")
         self.algorithm.broadcast()
-        compression_note = compression.restore_states(self._compressors(), info.get("compression"))
+        progress.rng_restored, rank_state_note = restore_rank_state(
+            self.run_dir, info.iteration if info.path else None, info.world_size, self.device,
+            self._compressors(), legacy=info.legacy_rank_state)
 
-        progress.iteration, progress.global_step = info["iteration"], info["global_step"]
-        progress.seed_offset = info["seed_offset"]
+        progress.iteration, progress.global_step = info.iteration, info.global_step
+        progress.seed_offset = info.seed_offset
         # The checkpoint's layout (the balancer's choice) survives a resume unless the user changed
         # the layout settings since: then those decide (_wanted_layout).
-        progress.env_counts = () if info["layout_changed"] else tuple(info["env_counts"] or ())
+        progress.env_counts = () if info.layout_changed else tuple(info.env_counts or ())
         self._start_step = progress.global_step
         self._remaining.start(time.time(), progress.global_step)
         # From the broadcast info, never from rank 0's local view: every rank must take the same
         # branch in _finish (a resumed, already finished run must not checkpoint on one rank only).
-        self._last_checkpoint_iteration = info["iteration"] if info["path"] else -1
-        self._summary_step = info["summary_step"]
-        self._local_state_iteration = info["iteration"] if info["path"] else None
-
-        rng_states, cuda_states = info["rng"], info["cuda_rng"]
-        progress.rng_restored = bool(rng_states) and len(rng_states) == topo.size
-        if progress.rng_restored:
-            torch.set_rng_state(rng_states[topo.rank])
-            if self.device.type == "cuda" and cuda_states and cuda_states[topo.rank] is not None:
-                torch.cuda.set_rng_state(cuda_states[topo.rank], self.device)
+        self._last_checkpoint_iteration = info.iteration if info.path else -1
+        self._summary_step = info.summary_step
+        self._local_state_iteration = info.iteration if info.path else None
         if topo.rank == 0:
-            self._write_run_files(info, self._wanted_layout(progress))
-            if compression_note:
-                self._logger().note(compression_note)
+            resume.prepare_run_files(self.run_dir, info, cfg, self._start_time)
+            self.logger = self._new_logger(purge_step=info.global_step + 1 if info.path else None)
+            self._note_start(info, self._wanted_layout(progress))
+            if rank_state_note:
+                self.logger.note(rank_state_note)
 
-    def _prepare_run_dir(self) -> tuple[Path | None, dict | None]:
-        run_dir = self.run_dir
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write_test"):
-                pass
-        except OSError as exc:
-            raise OSError(f"cannot write to run directory {run_dir}: {exc.strerror or exc}") from None
-        if self.resume is None:
-            if list_checkpoints(run_dir) or (run_dir / METRICS_FILE).exists():
-                raise CheckpointError(
-                    f"run directory {run_dir} already holds a run; pass --resume auto to continue "
-                    "it, or choose another --run-dir")
-            return None, None
-        if self.resume == "auto":
-            path, state, warnings = find_resumable(run_dir)
-            for message in warnings:
-                warn(message)
-            if path is None:
-                log_line(f"no checkpoint in {run_dir}; starting a new run")
-                return None, None
-        else:
-            path, state = Path(self.resume), load_checkpoint(self.resume)
-        return path, state
-
-    def _resume_info(self, ckpt: dict | None, path: Path | None, cfg: TrainConfig) -> dict[str, Any]:
-        """What every rank needs from rank 0's view of the run directory (broadcast)."""
-        summary_step = None
-        try:
-            summary_step = json.loads((self.run_dir / "summary.json").read_text())["global_step"]
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        if ckpt is None:
-            return {"iteration": 0, "global_step": 0, "seed_offset": 0, "rng": None, "cuda_rng": None,
-                    "path": None, "world_size": None, "env_counts": None, "layout_changed": False,
-                    "summary_step": summary_step}
-        saved = ckpt.get("config", {})
-        # An env_counts left out at resume is no change (the balancer's or the first run's layout
-        # stays); a different num_envs, or a different env_counts given, is.
-        layout_changed = (saved.get("env", {}).get("num_envs") != cfg.env.num_envs
-                          or bool(cfg.distributed.env_counts)
-                          and list(saved.get("distributed", {}).get("env_counts", [])) != list(cfg.distributed.env_counts))
-        return {"iteration": int(ckpt["iteration"]), "global_step": int(ckpt["global_step"]),
-                "seed_offset": int(ckpt["seed_offset"]), "rng": ckpt["rng"].get("torch"),
-                "cuda_rng": ckpt["rng"].get("cuda"), "path": str(path),
-                "world_size": int(ckpt["world_size"]), "env_counts": list(ckpt["env_counts"]),
-                "layout_changed": layout_changed, "summary_step": summary_step,
-                "numerics": ckpt.get("numerics"), "compression": ckpt.get("compression")}
-
-    def _write_run_files(self, info: dict[str, Any], layout: EnvLayout) -> None:
-        """Rank 0, once every check passed: only now are existing run files touched."""
+    def _note_start(self, info: resume.ResumeInfo, layout: EnvLayout) -> None:
+        """Rank 0's first lines: what runs where, warnings about the settings, what was resumed."""
         cfg, topo = self.cfg, dist.topology()
-        # Rows and TensorBoard events of iterations after the checkpoint will be produced again.
-        truncate_metrics(self.run_dir, info["iteration"], info["global_step"])
-        (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
-        stop_file = self.run_dir / STOP_FILE
-        if stop_file.exists() and stop_file.stat().st_mtime < self._start_time:
-            stop_file.unlink(missing_ok=True)  # left by an earlier run; a new request stays
-        remove_stale_temporaries(self.run_dir)
-        tmp = self.run_dir / ".config.toml.tmp"
-        tmp.write_text(cfg.to_toml())
-        os.replace(tmp, self.run_dir / "config.toml")
-        self.logger = self._new_logger(purge_step=info["global_step"] + 1 if info["path"] else None)
         self.logger.note(
             f"{self.algorithm.name}: {topo.size} rank(s) on {topo.cross_size} node(s), "
             f"{self.threads} thread(s)/rank, device {self.device}, {self.algorithm.describe()}, "
@@ -327,21 +207,9 @@ class Runtime:
                 self.logger.note(f"warning: {setting.name}=0 from the environment: ranks busy-poll while "
                                  "they wait and take the core from their own compute (~35% slower with one "
                                  "core per rank); unset it to let distributed.mpi_yield_when_idle decide")
-        if info["path"]:
-            line = (f"resuming from {info['path']} at iteration {info['iteration']}, "
-                    f"global step {info['global_step']}")
-            old_counts, new_counts = info["env_counts"], list(layout.counts)
-            if old_counts != new_counts:
-                line += (f"; ranks {info['world_size']} -> {topo.size}, envs per rank "
-                         f"{_counts_text(old_counts)} -> {_counts_text(new_counts)}")
-                old, new = (self.algorithm.global_batch(n) for n in (sum(old_counts), layout.total))
-                if old is not None and old != new:
-                    line += f", global batch {old} -> {new}"
-            saved, now = info["numerics"] or {}, self._numerics()
-            changed = [f"{key} {saved[key]} -> {now[key]}" for key in now if key in saved and saved[key] != now[key]]
-            if changed:  # allowed (the user changed a setting or the hardware), but said
-                line += f"; since the checkpoint: {', '.join(changed)} (the Adam kernel follows the precision)"
-            self.logger.note(line)
+        if info.path:
+            self.logger.note(resume.resume_line(info, topo.size, list(layout.counts), self.algorithm.global_batch,
+                                                self._numerics()))
 
     def _runtime_note(self) -> str:
         note = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in (dist.YIELD_VAR, dist.CYCLE_VAR))
@@ -366,6 +234,9 @@ class Runtime:
             tracker = WandbTracker(self.run_dir, cfg.logging, cfg.to_dict(), self._layout_topology())
         return MetricsLogger(self.run_dir, cfg.logging.tensorboard, cfg.logging.console, purge_step=purge_step,
                              tracker=tracker)
+
+    def _layout_topology(self) -> dict[str, Any]:
+        return summary.layout_topology(self.threads, self.device, getattr(self.algorithm, "precision_mode", "off"))
 
     # ---- environments -----------------------------------------------------------------------
 
@@ -416,73 +287,24 @@ class Runtime:
         cfg, topo = self.cfg, dist.topology()
         layout = self._layout
         iteration = progress.iteration + 1
-        t_start = time.perf_counter()
-        cpu_start = time.process_time()
-        faults_start = page_faults()
-        clock_before = (dist.CLOCK.count, dist.CLOCK.seconds)
-        compression_before = (compression.CLOCK.seconds, compression.CLOCK.bytes, compression.CLOCK.dense_bytes)
+        meter = iteration_metrics.RankMeter.start()
         context = IterationContext(iteration=iteration, global_step=progress.global_step,
                                    env_steps=env_steps, layout=layout, rank=topo.rank,
                                    world_size=topo.size, stop_requested=lambda: self.preemption.raised)
         report = self.algorithm.iterate(context)
-        # Compression compute runs inside the gradient reduction, which the algorithm timed as
-        # blocked: it is this rank's work (time_compress), not communication or waiting.
-        compress = compression.CLOCK.seconds - compression_before[0]
-        sent = compression.CLOCK.bytes - compression_before[1]
-        dense = compression.CLOCK.dense_bytes - compression_before[2]
-        blocked = dist.CLOCK.seconds - clock_before[1] - compress
-        cpu = time.process_time() - cpu_start
-        faults = page_faults() - faults_start
-        per_rank, sums, episodes = self._gather(report, [blocked, cpu, faults, compress, sent, dense],
-                                                self.preemption.raised)
-        collectives = dist.CLOCK.count - clock_before[0]
+        values, _ = meter.values()
+        gathered = iteration_metrics.gather(report, values, self.preemption.raised)
+        collectives = (dist.CLOCK.reading() - meter.clock_start).count
         if cfg.debug.iteration_sleep:
             time.sleep(cfg.debug.iteration_sleep)
-
-        global_batch = layout.total * env_steps
         progress.iteration = iteration
-        progress.global_step += global_batch
-        wall = time.perf_counter() - t_start
-        keys = list(report.metrics)
-        means = dict(zip(keys, per_rank[:, :len(keys)].mean(axis=0).tolist()))
-        bad = [k for k in report.finite
-               if not all(math.isfinite(v) for v in (per_rank[:, keys.index(k)] if k in means else [sums[k]]))]
-        if bad:
-            raise NonFiniteLossError(f"non-finite loss/gradient at iteration {iteration} ({', '.join(bad)}); "
-                                     "stopping all ranks")
-        # Time blocked in collectives: the fastest rank's is communication (it never waited for
-        # anybody); what the others spent beyond that was waiting for slower ranks.
-        blocked_by_rank, cpu_by_rank, faults_by_rank, compress_by_rank, sent_by_rank, dense_by_rank = (
-            per_rank[:, i] for i in range(-7, -1))
-        comm = float(blocked_by_rank.min())
-        waits = blocked_by_rank - comm
-        busy = per_rank[:, [i for i, k in enumerate(keys) if k.startswith("time_")]].sum(axis=1) + compress_by_rank
-        local_steps = np.asarray(layout.counts, dtype=np.float64) * env_steps
-        record: dict[str, Any] = {
-            "iteration": iteration, "global_step": progress.global_step, "world_size": topo.size,
-            "sps": global_batch / wall, "sps_per_rank": global_batch / topo.size / wall,
-            "episodic_return_mean": float(episodes[:, 0].mean()) if len(episodes) else None,
-            "episodic_length_mean": float(episodes[:, 1].mean()) if len(episodes) else None,
-            "episodes": int(len(episodes)),
-        }
-        record.update(self.algorithm.global_metrics(means, sums))
-        record.update(report.extra)
-        record.update({
-            "collectives": collectives, "time_allreduce": comm, "time_wait": float(waits.mean()),
-            # Gradient bytes each rank handed to the collectives (mean over ranks), the ratio to
-            # the uncompressed fp32 gradients of the same reductions, and the compression compute.
-            "comm_bytes": float(sent_by_rank.mean()), "time_compress": float(compress_by_rank.mean()),
-            "compression_ratio": float(dense_by_rank.sum() / sent_by_rank.sum()) if sent_by_rank.sum() else None,
-            "time_iteration": wall, "env_counts": list(layout.counts),
-            # Load monitoring, one value per rank: waiting at collectives, busy (compute) time,
-            # speed (env steps per busy second) and CPU use (cores busy on average).
-            "time_wait_by_rank": [float(w) for w in waits],
-            "time_busy_by_rank": [float(b) for b in busy],
-            "env_steps_per_busy_s_by_rank": [float(s) for s in local_steps / np.maximum(busy, 1e-9)],
-            "cpu_util_by_rank": [float(c) for c in cpu_by_rank / wall],
-            # Memory touched anew (hvd_rl/runtime/heap.py): near 0 in steady state when freed memory is kept.
-            "page_faults_by_rank": [int(f) for f in faults_by_rank],
-        })
+        progress.global_step += layout.total * env_steps
+        wall = time.perf_counter() - meter.wall_start
+        iteration_metrics.check_finite(report, gathered, iteration)
+        record = iteration_metrics.iteration_record(
+            report, gathered, iteration=iteration, global_step=progress.global_step, world_size=topo.size,
+            layout=layout, env_steps=env_steps, wall=wall, collectives=collectives,
+            global_metrics=self.algorithm.global_metrics)
         if cfg.distributed.verify_every and iteration % cfg.distributed.verify_every == 0:
             record["parameters_identical"] = dist.parameters_agree(self.algorithm.parameters_module(),
                                                                    "verify.params")[0]
@@ -490,79 +312,39 @@ class Runtime:
             logger = self._logger()
             total = cfg.total_timesteps
             logger.log(record, total, self._remaining.update(time.time(), progress.global_step, total))
-            logger.episodes(progress.global_step, episodes[:, 0], episodes[:, 1])
-        stop = report.stop_agreed or bool(per_rank[:, -1].max() > 0)
-        self._communication.append((record["comm_bytes"], record["time_compress"], record["compression_ratio"]))
-        return record, stop
-
-    @staticmethod
-    def _gather(report: IterationReport, runtime_values: list[float], stop: bool) -> tuple[np.ndarray, dict, np.ndarray]:
-        """ONE allgather per iteration: every rank's metrics, sums, finished games and stop flag.
-
-        Rows are [kind, values...]: kind 0 holds a rank's [metrics..., sums..., runtime values
-        (blocked seconds, CPU seconds, page faults, compression seconds, gradient bytes sent and
-        uncompressed), stop] (ranks in order), kind 1 a finished game (return,
-        length). Returns (per-rank [metrics..., runtime values..., stop] rows, summed sums,
-        games [n, 2]).
-        """
-        values = list(report.metrics.values()) + list(report.sums.values()) + runtime_values + [1.0 if stop else 0.0]
-        width = max(len(values), 2) + 1
-        rows = np.zeros((1 + len(report.episode_returns), width), dtype=np.float64)
-        rows[0, 1:1 + len(values)] = values
-        if report.episode_returns:
-            rows[1:, 0] = 1.0
-            rows[1:, 1] = report.episode_returns
-            rows[1:, 2] = report.episode_lengths
-        gathered = dist.allgather_rows(rows, name="iteration.metrics")
-        kinds = gathered[:, 0]
-        ranks = gathered[kinds == 0, 1:1 + len(values)]
-        n_metrics, n_sums = len(report.metrics), len(report.sums)
-        sums = dict(zip(report.sums, ranks[:, n_metrics:n_metrics + n_sums].sum(axis=0).tolist()))
-        per_rank = np.concatenate([ranks[:, :n_metrics], ranks[:, n_metrics + n_sums:]], axis=1)
-        return per_rank, sums, gathered[kinds == 1, 1:3]
+            logger.episodes(progress.global_step, gathered.episodes[:, 0], gathered.episodes[:, 1])
+        self._communication.add(record)
+        return record, report.stop_agreed or gathered.stop_requested
 
     # ---- checkpoints ------------------------------------------------------------------------
 
     def _checkpoint(self, progress: Any) -> None:
-        """Collective: gathers every rank's RNG state, then rank 0 writes atomically."""
-        rng = dist.allgather_object(torch.get_rng_state(), name="checkpoint.rng")
-        cuda_rng = dist.allgather_object(
-            torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
-            name="checkpoint.cuda_rng")
-        compression_states = compression.gather_states(self._compressors())
+        """Collective (hvd_rl/runtime/checkpointing.py): every rank's own state, rank 0's file."""
         topo = dist.topology()
-        if topo.rank == 0:
-            state = {
-                "format_version": 2, "hvd_rl_version": __version__, "algorithm": self.algorithm.name,
+
+        def rank_zero_state() -> dict[str, Any]:
+            return {
+                "format_version": 3, "hvd_rl_version": __version__, "algorithm": self.algorithm.name,
                 "iteration": progress.iteration, "global_step": progress.global_step,
                 "seed_offset": progress.seed_offset, "world_size": topo.size,
                 "env_counts": list(progress.env_counts), "config": self.cfg.to_dict(),
                 "signature": self.algorithm.signature(), "state": self.algorithm.state_dict(),
                 "lr_schedule": {"global_step": progress.global_step, "total_timesteps": self.cfg.total_timesteps},
-                "rng": {"torch": rng, "cuda": cuda_rng}, "numerics": self._numerics(), "saved_at": time.time(),
-                "compression": compression_states,  # every rank's residuals (error feedback), PowerSGD's Q
+                "numerics": self._numerics(), "saved_at": time.time(),
             }
-            path = save_checkpoint(self.run_dir, state, keep=self.cfg.checkpoint.keep)
+
+        path = write_checkpoint(self.run_dir, progress.iteration, rank_zero_state, self.cfg.checkpoint.keep,
+                                self.device, self._compressors(),
+                                lambda: self.algorithm.save_local(self.run_dir, progress.iteration, topo.rank))
+        if path is not None:
             self._logger().note(f"checkpoint {path}")
-        self.algorithm.save_local(self.run_dir, progress.iteration, topo.rank)
-        # Nobody moves on (or exits, which makes mpirun/srun kill the job) before the file is down.
-        dist.allreduce_sum([0.0], name="checkpoint.written")
         self._last_checkpoint_iteration = progress.iteration
 
     def _preempt(self, progress: Any) -> None:
         """Checkpoint, marker, and only then (after a collective) may any rank exit."""
         if self._last_checkpoint_iteration != progress.iteration:
             self._checkpoint(progress)
-        message = (f"preempted at iteration {progress.iteration}, global step {progress.global_step} "
-                   f"({self.preemption.describe()}); resume with --resume auto")
-        if dist.topology().rank == 0:
-            # For launchers that do not pass exit code 75 through (horovodrun returns 1). Written
-            # before any rank exits: srun --kill-on-bad-exit kills the others at the first exit.
-            (self.run_dir / PREEMPTED_MARKER).write_text(json.dumps(
-                {"iteration": progress.iteration, "global_step": progress.global_step}) + "\n")
-            (self.run_dir / STOP_FILE).unlink(missing_ok=True)  # acted on
-        dist.allreduce_sum([0.0], name="preempted.marker_written")
-        raise Preempted(message)
+        stop_after_checkpoint(self.run_dir, progress.iteration, progress.global_step, self.preemption)
 
     # ---- loops ------------------------------------------------------------------------------
 
@@ -593,25 +375,21 @@ class Runtime:
                 self._checkpoint(progress)
 
     def _rebalance(self, progress: Any, layout: EnvLayout, record: dict[str, Any]) -> None:
-        """Feeds the balancer; when a decision is due, rank 0 decides and every rank adopts it
-        (the environments are rebuilt with fresh seeds before the next iteration)."""
-        if not self.balancer.enabled:
-            return
-        self.balancer.observe(layout.counts, np.asarray(record["time_busy_by_rank"]))
-        if not self.balancer.due(progress.iteration):
-            return
-        decision = self.balancer.decide(layout.counts) if dist.topology().rank == 0 else None
-        decision = dist.broadcast_object(decision and (decision.counts, decision.reason), name="balance.decision")
+        """Every rank adopts the balancer's decision (environments rebuilt with fresh seeds before
+        the next iteration); rank 0 logs it."""
+        decision = agree_on_layout(self.balancer, progress.iteration, layout.counts,
+                                   np.asarray(record["time_busy_by_rank"]))
         if decision is None:
             return
-        counts, reason = decision
-        progress.env_counts = tuple(counts)
+        progress.env_counts = decision.counts
         if dist.topology().rank == 0:
             self._logger().note(f"rebalance after iteration {progress.iteration}: envs per rank "
-                                f"{_counts_text(list(layout.counts))} -> {_counts_text(list(counts))}; {reason}")
+                                f"{resume.counts_text(list(layout.counts))} -> "
+                                f"{resume.counts_text(list(decision.counts))}; {decision.reason}")
             with open(self.run_dir / BALANCE_FILE, "a") as f:
                 f.write(json.dumps({"iteration": progress.iteration, "global_step": progress.global_step,
-                                    "from": list(layout.counts), "to": list(counts), "reason": reason}) + "\n")
+                                    "from": list(layout.counts), "to": list(decision.counts),
+                                    "reason": decision.reason}) + "\n")
 
     def _finish(self, progress: Any, ran: bool) -> None:
         topo = dist.topology()
@@ -630,58 +408,18 @@ class Runtime:
         if self._last_checkpoint_iteration != progress.iteration:
             self._checkpoint(progress)
         if topo.rank == 0:
-            summary = {
-                "status": "completed", "algorithm": self.algorithm.name, "iteration": progress.iteration,
-                "global_step": progress.global_step, "total_timesteps": self.cfg.total_timesteps,
-                "world_size": topo.size, "parameters_identical": identical,
-                "parameter_digests": digests, "wall_seconds": time.time() - self._start_time,
-                # What one gradient allreduce moves (the scaling report's projection uses it).
-                "gradient_bytes": sum(p.numel() * p.element_size()
-                                      for p in self.algorithm.parameters_module().parameters() if p.requires_grad),
-                "topology": self._topology(ranks),
-                "communication": self._communication_summary(),
-            }
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-            self._logger().summary(summary)
+            data = summary.run_summary(
+                algorithm=self.algorithm.name, iteration=progress.iteration, global_step=progress.global_step,
+                total_timesteps=self.cfg.total_timesteps, identical=identical, digests=digests,
+                wall_seconds=time.time() - self._start_time, parameters=self.algorithm.parameters_module(),
+                topology=summary.run_topology(ranks, self._layout_topology(), self.device, self.heap_retained),
+                communication=self._communication.summary(self.cfg.distributed))
+            (self.run_dir / "summary.json").write_text(json.dumps(data, indent=1) + "\n")
+            self._logger().summary(data)
             self._logger().note(f"done: global step {progress.global_step}, parameters identical "
                                 f"on all ranks: {identical}")
         if not identical:
             raise RuntimeError(f"ranks ended with different parameters: {digests}")
-
-    def _communication_summary(self) -> dict[str, Any]:
-        """Gradient traffic of this invocation's iterations (means per iteration and rank), for
-        the scaling report: what was sent, the ratio to the uncompressed gradient, compress time."""
-        d = self.cfg.distributed
-        out: dict[str, Any] = {"compression": d.compression, "iterations": len(self._communication)}
-        if d.compression == "powersgd":
-            out["powersgd_rank"] = d.powersgd_rank
-        if d.compression == "topk":
-            out["topk_ratio"] = d.topk_ratio
-        if self._communication:
-            sent, compress, ratios = zip(*self._communication)
-            ratios = [r for r in ratios if r is not None]
-            out.update({"comm_bytes": float(np.mean(sent)), "time_compress": float(np.mean(compress)),
-                        "compression_ratio": float(np.mean(ratios)) if ratios else None})
-        return out
-
-    def _layout_topology(self) -> dict[str, Any]:
-        """What this rank knows of the run's layout without a collective (W&B's config at start)."""
-        topo = dist.topology()
-        return {"ranks": topo.size, "nodes": topo.cross_size, "ranks_per_node": topo.local_size,
-                "threads_per_rank": self.threads, "device": str(self.device),
-                "precision": getattr(self.algorithm, "precision_mode", "off")}
-
-    def _topology(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-        topo = dist.topology()
-        hostnames = [r["hostname"] for r in ranks]
-        return {**self._layout_topology(),
-                "runtime_settings": {name: os.environ.get(name) for name in (dist.YIELD_VAR, dist.CYCLE_VAR)},
-                "hierarchical_allreduce": dist.hierarchical_allreduce_status(topo, self.device),
-                "freed_memory_retained": self.heap_retained,
-                "cpus_per_node": os.cpu_count(), "hostnames": sorted(set(hostnames)),
-                "per_rank": [{"rank": i, **r} for i, r in enumerate(ranks)],
-                "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                             "horovod": horovod.__version__}}
 
     def train(self) -> None:
         progress = Progress()
@@ -700,21 +438,23 @@ class Runtime:
         inside the function hvd.elastic.run retries, so workers can join, leave and be replaced."""
         import horovod.torch as hvd
 
-        state = ElasticRunState(self.algorithm, iteration=0, global_step=0, seed_offset=0, env_counts=(),
-                                rng_restored=False, setup_done=False)
+        state = elastic.ElasticRunState(self.algorithm, iteration=0, global_step=0, seed_offset=0, env_counts=(),
+                                        rng_restored=False, setup_done=False)
+        reset_notes: list[str] = []
 
         def on_reset() -> None:
             # The rank layout may have changed: rebuild environments. The device stays: this
             # process's networks, optimizer state and CUDA RNG live on it (re-selecting it from a
             # new local rank moved the current device away from them).
             self._layout = None
+            if elastic.reset_compression(self.algorithm):
+                reset_notes.append("compression residuals restarted at zero")
 
         state.register_reset_callbacks([on_reset])
-
         commit = state.commit
 
         @hvd.elastic.run
-        def run(state: ElasticRunState) -> None:
+        def run(state: elastic.ElasticRunState) -> None:
             if not state.setup_done:
                 self._setup(state)  # the first start: every worker of the job takes part
                 state.setup_done = True
@@ -722,7 +462,9 @@ class Runtime:
             else:
                 self._agree_on_numerics()  # a worker that joined decided on its own machine
                 if dist.topology().rank == 0:
-                    self._logger().note(f"elastic reset: now {dist.world_size()} rank(s)")
+                    extra = f"; {reset_notes[-1]}" if reset_notes else ""
+                    self._logger().note(f"elastic reset: now {dist.world_size()} rank(s){extra}")
+                reset_notes.clear()
             ran = self._run(state, commit)
             self._finish(state, ran)
 
@@ -747,35 +489,3 @@ def _ranks_text(ranks: list[int]) -> str:
         else:
             spans.append([r, r])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-
-
-def _counts_text(counts: list[int]) -> str:
-    return str(counts[0]) if len(set(counts)) == 1 else "/".join(map(str, counts))
-
-
-class ElasticRunState(ObjectState):
-    """hvd.elastic state: the algorithm's whole state (networks, optimizer, statistics) plus the
-    run counters. Saved on every commit, restored after a failure, synced from rank 0 (also to
-    a worker that just joined) through the algorithm's own broadcast, which knows that a fresh
-    Adam must not be initialised by Horovod's zero-gradient step."""
-
-    def __init__(self, algorithm: Algorithm, **counters: Any):
-        import horovod.torch as hvd
-
-        self._algorithm = algorithm
-        self._saved_algorithm = copy.deepcopy(algorithm.state_dict())
-        super().__init__(bcast_object=lambda obj: hvd.broadcast_object(obj, name="elastic.counters"),
-                         get_rank=hvd.rank, **counters)
-
-    def save(self) -> None:
-        self._saved_algorithm = copy.deepcopy(self._algorithm.state_dict())
-        super().save()
-
-    def restore(self) -> None:
-        self._algorithm.load_state_dict(self._saved_algorithm)
-        super().restore()
-
-    def sync(self) -> None:
-        self._algorithm.broadcast()
-        compression.sync_after_reset(compression.compressors_of(self._algorithm.distributed_optimizers()))
-        super().sync()
