@@ -16,6 +16,17 @@ into the fusion buffer) and does not grow with n in this model. The benchmark ac
 measures t(S) = c + 2 alpha + S/B; the same benchmark with both ranks on one node (shared memory,
 alpha ~ 0) separates c from alpha. Without it, alpha is taken as 0 and the whole constant is c.
 
+Open MPI (Horovod's CPU path here) does not always run the ring: its tuned component picks by rank
+count and message size (open_mpi_allreduce_algorithm, Open MPI 4.1's fixed decision); at 4-8 ranks
+and > 8 KiB, and for PowerSGD's factors at 1024 ranks, that is Rabenseifner (2 log2 n steps, the
+ring's volume) or recursive doubling (log2 n steps of the whole message). Algorithm "openmpi"
+models that choice.
+
+fit_exchange fits c, alpha and B of one exchange (a compression's collectives on one link) by least
+squares to its measured times at every node count, with the link's size sweep pinning B, and keeps
+the parameters' covariance and each point's residual; the projection's interval comes from that
+covariance (ExchangeFit.round_s).
+
 Weak scaling keeps the work per rank: an iteration takes the compute time of one rank (env steps,
 inference, learner: every phase that is not communication) plus, per iteration, `gradient_rounds`
 allreduces of the gradient and `small_collectives` latency-bound ones (metrics, stop flags).
@@ -97,6 +108,54 @@ def interconnect_from_environment(env: Mapping[str, str] | None = None) -> str:
 
 # ---- cost model -----------------------------------------------------------------------------
 
+def open_mpi_allreduce_algorithm(ranks: int, nbytes: float) -> str:
+    """The allreduce Open MPI 4.1's tuned component runs for a commutative op (what Horovod's MPI
+    path calls), from ompi/mca/coll/tuned/coll_tuned_decision_fixed.c (v4.1.4). Segmented ring is
+    the ring's cost, nonoverlapping a reduce then a bcast."""
+    n, size = int(ranks), float(nbytes)
+    # (upper bound on ranks, [(upper bound on bytes, algorithm), ...] with the last bound infinite)
+    table = ((4, ((8, "ring"), (4096, "recursive_doubling"), (8192, "ring"), (16384, "recursive_doubling"),
+                  (65536, "ring"), (262144, "segmented_ring"))),
+             (8, ((16, "ring"), (8192, "recursive_doubling"))),
+             (16, ((8192, "recursive_doubling"),)),
+             (32, ((64, "segmented_ring"), (4096, "recursive_doubling"))),
+             (64, ((128, "segmented_ring"),)),
+             (128, ((262144, "recursive_doubling"),)),
+             (256, ((131072, "nonoverlapping"), (262144, "recursive_doubling"))),
+             (512, ((4096, "nonoverlapping"),)),
+             (2048, ((2048, "nonoverlapping"), (16384, "recursive_doubling"))),
+             (4096, ((2048, "nonoverlapping"), (4096, "segmented_ring"), (16384, "recursive_doubling"))),
+             (math.inf, ((2048, "nonoverlapping"), (16384, "segmented_ring"), (32768, "recursive_doubling"))))
+    for max_ranks, by_size in table:
+        if n < max_ranks:
+            return next((name for limit, name in by_size if size < limit), "rabenseifner")
+    raise AssertionError("unreachable")
+
+
+def collective_terms(ranks: int, nbytes: float, algorithm: str = "ring", exchange: str = "allreduce") -> tuple[float, float]:
+    """(latency steps, bytes each rank sends) of one collective of `nbytes` per rank: the alpha and
+    1/B coefficients of its time. Allgather (top-k's values and indices): n - 1 steps, (n - 1) S."""
+    n = int(ranks)
+    if n <= 1:
+        return 0.0, 0.0
+    if exchange == "allgather":
+        return float(n - 1), (n - 1) * float(nbytes)
+    if exchange != "allreduce":
+        raise ProjectionError(f"unknown exchange {exchange!r} (allreduce or allgather)")
+    if algorithm == "openmpi":
+        algorithm = open_mpi_allreduce_algorithm(n, nbytes)
+    log_steps = math.ceil(math.log2(n))
+    if algorithm in ("ring", "segmented_ring"):
+        return 2.0 * (n - 1), ring_volume(n) * nbytes
+    if algorithm in ("tree", "rabenseifner"):
+        return 2.0 * log_steps, ring_volume(n) * nbytes
+    if algorithm == "recursive_doubling":
+        return float(log_steps), log_steps * float(nbytes)
+    if algorithm == "nonoverlapping":  # binomial reduce, then binomial bcast, of the whole message
+        return 2.0 * log_steps, 2 * log_steps * float(nbytes)
+    raise ProjectionError(f"unknown allreduce algorithm {algorithm!r} (one of {ALGORITHMS} or openmpi)")
+
+
 @dataclass(frozen=True)
 class CostModel:
     overhead_s: float  # c: per collective
@@ -110,10 +169,6 @@ class CostModel:
         if n <= 1:
             return 0.0
         c, alpha, bw = self.overhead_s, self.latency_s, self.bandwidth_Bps
-        if algorithm == "ring":
-            return c + 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bw
-        if algorithm == "tree":
-            return c + 2 * math.ceil(math.log2(n)) * alpha + 2 * (n - 1) / n * nbytes / bw
         if algorithm == "hierarchical":
             g = max(1, min(int(ranks_per_node), n))
             m = math.ceil(n / g)
@@ -121,15 +176,16 @@ class CostModel:
             intra = 0.0 if g == 1 else 2 * (g - 1) * self.local_latency_s + 2 * (g - 1) / g * nbytes / local_bw
             inter = 0.0 if m == 1 else 2 * (m - 1) * alpha + 2 * (m - 1) / m * nbytes / bw
             return c + intra + inter
-        raise ProjectionError(f"unknown allreduce algorithm {algorithm!r} (one of {ALGORITHMS})")
+        steps, moved = collective_terms(n, nbytes, algorithm)
+        return c + steps * alpha + moved / bw
 
     def allgather_s(self, ranks: int, nbytes: float) -> float:
         """Ring allgather of `nbytes` from every rank: each rank receives the other n - 1 shares,
         so the volume grows with n (top-k's exchange), where an allreduce's stays ~2S."""
-        n = int(ranks)
-        if n <= 1:
+        if int(ranks) <= 1:
             return 0.0
-        return self.overhead_s + (n - 1) * self.latency_s + (n - 1) * nbytes / self.bandwidth_Bps
+        steps, moved = collective_terms(ranks, nbytes, exchange="allgather")
+        return self.overhead_s + steps * self.latency_s + moved / self.bandwidth_Bps
 
     def with_bandwidth(self, bandwidth_Bps: float) -> "CostModel":
         return CostModel(self.overhead_s, self.latency_s, bandwidth_Bps, self.local_latency_s,
@@ -200,6 +256,114 @@ def cost_model(network: Fit, local: Fit | None = None) -> tuple[CostModel, str]:
     return CostModel(network.constant_s, 0.0, network.bandwidth_Bps), note
 
 
+# ---- fit over node counts -------------------------------------------------------------------
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (the next lower tabulated dof is
+# used, which widens the interval); beyond 30 the normal's.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+         10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t_quantile_95(dof: int) -> float:
+    if dof < 1:
+        raise ProjectionError("no degrees of freedom left: as many parameters as measured points")
+    return _T975[max(d for d in _T975 if d <= dof)] if dof <= 30 else 1.960
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One measured exchange: `call_bytes` per collective (PowerSGD: its P and Q allreduces) on
+    `ranks` ranks, taking `seconds` (communication only: compression compute taken out)."""
+
+    label: str
+    ranks: int
+    call_bytes: tuple[float, ...]
+    seconds: float
+    algorithm: str = "openmpi"
+    exchange: str = "allreduce"
+
+    def terms(self) -> tuple[float, float, float]:
+        """(collectives, latency steps, bytes sent): the coefficients of c, alpha and 1/B."""
+        steps = moved = 0.0
+        for nbytes in self.call_bytes:
+            s, m = collective_terms(self.ranks, nbytes, self.algorithm, self.exchange)
+            steps, moved = steps + s, moved + m
+        return float(len(self.call_bytes)), steps, moved
+
+
+@dataclass(frozen=True)
+class ExchangeFit:
+    """c, alpha and B of one exchange, fitted with their covariance (of c, alpha, 1/B)."""
+
+    overhead_s: float
+    latency_s: float
+    bandwidth_Bps: float
+    covariance: tuple[tuple[float, float, float], ...]
+    dof: int
+    residuals: tuple[dict, ...]  # per measured point: label, ranks, measured_s, fitted_s, rel_error
+    rms_rel_error: float
+
+    def model(self) -> CostModel:
+        return CostModel(self.overhead_s, self.latency_s, self.bandwidth_Bps)
+
+    def standard_errors(self) -> tuple[float, float, float]:
+        """Of c and alpha (seconds) and of B (bytes/s, to first order from that of 1/B)."""
+        var_c, var_a, var_k = (self.covariance[i][i] for i in range(3))
+        return math.sqrt(var_c), math.sqrt(var_a), math.sqrt(var_k) * self.bandwidth_Bps ** 2
+
+    def time_s(self, calls: float, steps: float, moved: float) -> tuple[float, float]:
+        """The fitted time of an exchange with these coefficients, and its standard error."""
+        g = (calls, steps, moved)
+        point = calls * self.overhead_s + steps * self.latency_s + moved / self.bandwidth_Bps
+        var = sum(g[i] * self.covariance[i][j] * g[j] for i in range(3) for j in range(3))
+        return point, math.sqrt(max(var, 0.0))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "standard_errors": self.standard_errors()}
+
+
+def fit_exchange(points: Iterable[Observation], sweep: Iterable[tuple[float, float]] = ()) -> ExchangeFit:
+    """Least squares on relative error (each point counts alike) of
+
+        t = calls c + steps(n) alpha + bytes(n) / B
+
+    over the exchange's measured points at every rank count, none of the three fixed. `sweep`:
+    (bytes, seconds) of single allreduces of several sizes on 2 ranks of the same link; they share
+    B but get an intercept of their own (c + 2 alpha there, not assumed equal to this exchange's),
+    so they pin the bandwidth without deciding the latency."""
+    import numpy as np
+
+    points, sweep = list(points), list(sweep)
+    rows = [[*pt.terms(), 0.0] for pt in points] + [[0.0, 0.0, float(size), 1.0] for size, _ in sweep]
+    t = np.array([pt.seconds for pt in points] + [sec for _, sec in sweep], dtype=float)
+    design = np.array(rows, dtype=float)
+    if not sweep:
+        design = design[:, :3]
+    if len({pt.ranks for pt in points}) < 2 and not sweep:
+        raise ProjectionError("latency and overhead need points at two or more rank counts")
+    if np.any(t <= 0):
+        raise ProjectionError("a measured exchange time is <= 0 s (compression compute larger than the total?)")
+    weighted = design / t[:, None]
+    if np.linalg.matrix_rank(weighted) < weighted.shape[1]:
+        raise ProjectionError("the points do not separate overhead, latency and bandwidth "
+                              "(need several rank counts, and sizes or a sweep)")
+    dof = len(t) - weighted.shape[1]
+    if dof < 1:
+        raise ProjectionError(f"{len(t)} points for {weighted.shape[1]} parameters: no residual to judge the fit by")
+    theta, *_ = np.linalg.lstsq(weighted, np.ones_like(t), rcond=None)
+    if theta[2] <= 0:
+        raise ProjectionError("the fitted time falls with the bytes sent: no bandwidth to fit")
+    fitted = design @ theta
+    rel = (fitted - t) / t
+    covariance = float(np.sum(rel ** 2) / dof) * np.linalg.inv(weighted.T @ weighted)
+    labels = [(pt.label, pt.ranks) for pt in points] + [(f"2-rank sweep, {size / 2**10:g} KiB", 2) for size, _ in sweep]
+    residuals = tuple({"label": label, "ranks": ranks, "measured_s": float(m), "fitted_s": float(f),
+                       "rel_error": float(r)} for (label, ranks), m, f, r in zip(labels, t, fitted, rel))
+    return ExchangeFit(overhead_s=float(theta[0]), latency_s=float(theta[1]), bandwidth_Bps=float(1 / theta[2]),
+                       covariance=tuple(tuple(float(v) for v in row[:3]) for row in covariance[:3]), dof=dof,
+                       residuals=residuals, rms_rel_error=float(np.sqrt(np.mean(rel ** 2))))
+
+
 # ---- workload and projection ----------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -213,13 +377,46 @@ class Workload:
     # distributed.compression: powersgd = 2 allreduces per round (plain tensors with P, then Q), topk = 2
     # allgathers (values, indices: the volume grows with the ranks), none/fp16 = one allreduce.
     compression: str = "none"
+    # bytes of each collective of one reduction where the compression makes several (PowerSGD: P
+    # and Q, whose sizes decide Open MPI's algorithm); empty: PowerSGD's bytes as one call plus a
+    # small one, top-k's as two equal allgathers
+    call_bytes: tuple[float, ...] = ()
+
+    @property
+    def exchange(self) -> str:
+        return "allgather" if self.compression == "topk" else "allreduce"
+
+    def calls(self) -> tuple[float, ...]:
+        if self.call_bytes:
+            return tuple(self.call_bytes)
+        if self.compression == "powersgd":
+            return (self.gradient_bytes, SMALL_COLLECTIVE_BYTES)
+        if self.compression == "topk":
+            return (self.gradient_bytes / 2, self.gradient_bytes / 2)
+        return (self.gradient_bytes,)
+
+    def round_terms(self, ranks: int, algorithm: str = "openmpi") -> tuple[float, float, float]:
+        """(collectives, latency steps, bytes sent) of one gradient reduction on `ranks` ranks."""
+        return Observation("", ranks, self.calls(), 1.0, algorithm, self.exchange).terms()
 
     def _round_s(self, model: CostModel, ranks: int, algorithm: str, ranks_per_node: int) -> float:
-        if self.compression == "topk":
-            return model.allgather_s(ranks, self.gradient_bytes) + model.overhead_s
-        calls = 2 if self.compression == "powersgd" else 1
-        return (model.allreduce_s(ranks, self.gradient_bytes, algorithm, ranks_per_node)
-                + (calls - 1) * model.allreduce_s(ranks, SMALL_COLLECTIVE_BYTES, algorithm, ranks_per_node))
+        if self.exchange == "allgather":
+            return sum(model.allgather_s(ranks, nbytes) for nbytes in self.calls())
+        return sum(model.allreduce_s(ranks, nbytes, algorithm, ranks_per_node) for nbytes in self.calls())
+
+    def projected_efficiency(self, fit: ExchangeFit, ranks: int, baseline_s: float, algorithm: str = "openmpi",
+                             level_t: float | None = None) -> tuple[float, float, float]:
+        """Weak-scaling efficiency baseline_s / (compute + rounds x fitted round time) on `ranks`
+        ranks, with the interval that the fit's covariance gives the round time (t quantile of the
+        fit's dof unless level_t is given): (point, low, high). The communication's low end stops
+        at 0 s; the interval is the fit's parameter uncertainty, not that of the model's form."""
+        if int(ranks) <= 1:
+            return baseline_s / self.compute_s, baseline_s / self.compute_s, baseline_s / self.compute_s
+        round_s, err = fit.time_s(*self.round_terms(ranks, algorithm))
+        spread = (t_quantile_95(fit.dof) if level_t is None else level_t) * err
+        comm = [max(0.0, self.gradient_rounds * (round_s + d)) for d in (0.0, spread, -spread)]
+        point, low, high = (baseline_s / (self.compute_s + c) for c in comm)
+        return point, low, high
 
     def comm_s(self, model: CostModel, ranks: int, algorithm: str = "ring", ranks_per_node: int = 1) -> float:
         return (self.gradient_rounds * self._round_s(model, ranks, algorithm, ranks_per_node)
