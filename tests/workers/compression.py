@@ -93,6 +93,17 @@ def resumed_equals_uninterrupted(make) -> bool:
     return all(torch.equal(a, b) for sa, sb in zip(*results) for a, b in zip(sa, sb))
 
 
+def sgd_steps(compressor, params32, first: int, count: int) -> None:
+    """Steps first..first+count-1: each rank's own gradients, compressed and reduced, SGD."""
+    for step in range(first, first + count):
+        for p, g in zip(params32, own_grads(step)):
+            p.grad = g.float()
+        compressor.reduce()
+        with torch.no_grad():
+            for p in params32:
+                p -= 0.1 * p.grad
+
+
 def resumed_from_rank_files_equals_uninterrupted(make, run_dir: str) -> dict:
     """The runtime's own per-rank files (checkpointing.save_rank_state / restore_rank_state, with
     their manifests): 3 SGD steps, a checkpoint, 3 more; against fresh compressors restored from the
@@ -102,29 +113,20 @@ def resumed_from_rank_files_equals_uninterrupted(make, run_dir: str) -> dict:
 
     from hvd_rl.runtime.checkpointing import rank_file, restore_rank_state, save_rank_state
 
-    def steps(compressor, params32, first: int, count: int) -> None:
-        for step in range(first, first + count):
-            for p, g in zip(params32, own_grads(step)):
-                p.grad = g.float()
-            compressor.reduce()
-            with torch.no_grad():
-                for p in params32:
-                    p -= 0.1 * p.grad
-
     device = torch.device("cpu")
     params32 = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     compressor = make(params32)
-    steps(compressor, params32, 0, 3)
+    sgd_steps(compressor, params32, 0, 3)
     save_rank_state(run_dir, 3, topo.rank, topo.size, device, [compressor])
     at_checkpoint = [p.detach().clone() for p in params32]
-    steps(compressor, params32, 3, 3)
+    sgd_steps(compressor, params32, 3, 3)
     uninterrupted = [p.detach().clone() for p in params32], {i: r.clone() for i, r in compressor.residuals.items()}
 
     resumed_params = [torch.nn.Parameter(t.clone()) for t in at_checkpoint]
     resumed = make(resumed_params)
     restored, note = restore_rank_state(run_dir, 3, topo.size, device, [resumed])
     held_after_restore = len(resumed.residuals)
-    steps(resumed, resumed_params, 3, 3)
+    sgd_steps(resumed, resumed_params, 3, 3)
     same = (all(torch.equal(a, b) for a, b in zip(uninterrupted[0], resumed_params))
             and uninterrupted[1].keys() == resumed.residuals.keys()
             and all(torch.equal(uninterrupted[1][i], resumed.residuals[i]) for i in uninterrupted[1]))
@@ -148,14 +150,7 @@ def topk_deterministic_steps() -> bool:
     torch.use_deterministic_algorithms(True)
     try:
         params32 = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-        compressor = TopK(params32, ratio=0.05)
-        for step in range(5):
-            for p, g in zip(params32, own_grads(step)):
-                p.grad = g.float()
-            compressor.reduce()
-            with torch.no_grad():
-                for p in params32:
-                    p -= 0.1 * p.grad
+        sgd_steps(TopK(params32, ratio=0.05), params32, 0, 5)
         mine = b"".join(p.detach().numpy().tobytes() for p in params32)
         return len(set(dist.allgather_object(mine, name="test.topk_bytes"))) == 1
     finally:
