@@ -31,13 +31,20 @@ def test_device_script_dry_run_runs_every_step_on_cpu(tmp_path):
     names = {s["step"] for s in summary["steps"]}
     assert {"info", "horovod", "install", "doctor", "learner"} <= names
     runs = {r["run"]: r for r in summary["runs"]}
-    assert set(runs) == {"r1_off", "r2_off", "r1_bf16", "r2_bf16", "r2_bf16_resumed", "sweep_2x2", "sweep_2x4"}
+    assert set(runs) == {"r1_off", "r2_off", "r1_bf16", "r2_bf16", "r2_bf16_resumed", "sweep_2x2", "sweep_2x4",
+                         "c_powersgd", "c_powersgd_resumed", "c_topk", "c_topk_resumed"}
     for r in runs.values():
         assert r["status"] == "completed" and r["parameters_identical"] is True and r["sps"] > 0, r
     assert runs["r2_off"]["world_size"] == 2 and runs["r1_bf16"]["precision"] == "bf16"
     assert runs["sweep_2x4"]["env_counts"] == [4, 4]
     resume = summary["resume"]
     assert resume["ok"] and resume["continued_at_iteration"] == 4 and resume["to_step"] > resume["from_step"]
+    # compression: stopped after 2 iterations, resumed from each rank's residual file at the 3rd
+    assert {k: (v["ok"], v["continued_at_iteration"]) for k, v in summary["compression_resume"].items()} == {
+        "c_powersgd": (True, 3), "c_topk": (True, 3)}
+    check = summary["compression_check"]
+    assert check["ok"] and [s["run"] for s in check["state"]] == ["c_powersgd_resumed", "c_topk_resumed"]
+    assert check["topk_sum"]["fixed_order_bitwise_repeatable"]
     assert len(summary["learner"]) == 4 and all(row["learner_samples_per_s"] > 0 for row in summary["learner"])
     back = {p.name for p in out_dir.iterdir()}
     assert {"log.txt", "steps.jsonl", "summary.json", "table.txt", "runs.tar.gz"} <= back and len(back) <= 8

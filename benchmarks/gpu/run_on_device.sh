@@ -12,7 +12,8 @@
 # operations if that fails), install (the bundle's wheels, Horovod and hvd_rl into a prefix, no
 # network), doctor,
 # train (the Atari preset on cuda, 1 and 2 ranks sharing the GPU, amp off and bf16; then the
-# 2-rank bf16 run resumed with --resume auto for more iterations), sweep (2 ranks x 16/32/64 envs
+# 2-rank bf16 run resumed with --resume auto for more iterations), compression (PowerSGD and top-k,
+# 2 ranks, stopped and resumed from each rank's residual file; compression_check.py), sweep (2 ranks x 16/32/64 envs
 # stepped by ale_vector threads on all cores), learner (benchmarks/gpu/learner.py: minibatch
 # 256/1024/4096, off and bf16), summary. Everything is written under $OUT (default runs/gpu-out),
 # at most 8 files: log.txt, steps.jsonl, summary.json, table.txt, runs.tar.gz (metrics, configs,
@@ -24,14 +25,14 @@ set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO"
 DRY=0
-STEPS="info,horovod,install,doctor,train,sweep,learner,summary"
+STEPS="info,horovod,install,doctor,train,compression,sweep,learner,summary"
 BUNDLE="$REPO/.whl"
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu-dry-run) DRY=1; shift ;;
     --steps) STEPS="info,horovod,install,doctor,$2,summary"; shift 2 ;;
     --bundle) BUNDLE="$(cd "$2" && pwd)"; shift 2 ;;
-    -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "run_on_device.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -49,13 +50,13 @@ if [ "$DRY" = 1 ]; then
   # CPU, tiny sizes, this checkout's venv interpreter (its torch; the bundle still goes into a prefix)
   PY="${HVD_RL_GPU_PYTHON:-$REPO/.venv/bin/python}"
   DEVICE=cpu; CORES=2
-  ENVS=2; NUM_STEPS=16; ITERS=3; MORE=2; SWEEP_ENVS="2 4"; SWEEP_ITERS=2; MINIBATCHES="16 32"
+  ENVS=2; NUM_STEPS=16; ITERS=3; MORE=2; CITERS=2; SWEEP_ENVS="2 4"; SWEEP_ITERS=2; MINIBATCHES="16 32"
   STEP_LIMIT=300; BUILD_LIMIT=900
   unset HOROVOD_GPU_OPERATIONS
 else
   PY="${HVD_RL_GPU_PYTHON:-python3}"
   DEVICE=cuda; CORES="$(nproc)"
-  ENVS=8; NUM_STEPS=128; ITERS=20; MORE=4; SWEEP_ENVS="16 32 64"; SWEEP_ITERS=6; MINIBATCHES="256 1024 4096"
+  ENVS=8; NUM_STEPS=128; ITERS=20; MORE=4; CITERS=6; SWEEP_ENVS="16 32 64"; SWEEP_ITERS=6; MINIBATCHES="256 1024 4096"
   STEP_LIMIT=150; BUILD_LIMIT=330
 fi
 export PY PREFIX
@@ -169,6 +170,23 @@ if wanted train; then
   train r2_bf16_resumed 2 "$ENVS" "$((ITERS + MORE))" bf16
 fi
 
+# ---- compression: PowerSGD and top-k on the device, stopped and resumed from the per-rank files -----
+# Each compressed 2-rank run ends at CITERS iterations (its checkpoint: rank 0's file and each rank's
+# residuals/Q), then a copy resumes with --resume auto for MORE iterations: the residuals must come
+# back onto the GPU (a CPU residual added to a CUDA gradient would crash it), the ranks must stay
+# bitwise identical every iteration (verify_every=1: top-k's fixed-order sum), and
+# compression_check.py loads every rank's saved state onto the device and back.
+if wanted compression; then
+  for c in powersgd topk; do
+    train "c_${c}" 2 "$ENVS" "$CITERS" bf16 "distributed.compression=\"$c\"" "distributed.verify_every=1"
+    cp -r "$RUNS/c_${c}" "$RUNS/c_${c}_resumed" 2>/dev/null
+    train "c_${c}_resumed" 2 "$ENVS" "$((CITERS + MORE))" bf16 "distributed.compression=\"$c\"" \
+      "distributed.verify_every=1"
+  done
+  step compression_state "$STEP_LIMIT" "$PY" benchmarks/gpu/compression_check.py --device "$DEVICE" \
+    --runs "$RUNS" --out "$WORK/compression.json"
+fi
+
 # ---- sweep: envs per rank on all cores ----------------------------------------------------------
 if wanted sweep; then
   for envs in $SWEEP_ENVS; do
@@ -184,7 +202,7 @@ wanted learner && step learner "$STEP_LIMIT" "$PY" benchmarks/gpu/learner.py --d
 # ---- summary and what comes back ----------------------------------------------------------------
 step summary 60 "$PY" benchmarks/gpu/summarize.py --runs "$RUNS" --learner "$WORK/learner.json" \
   --steps "$STEP_LOG" --resumed r2_bf16_resumed --resumed-from r2_bf16 \
-  --out "$OUT/summary.json" --table "$OUT/table.txt"
+  --compression "$WORK/compression.json" --out "$OUT/summary.json" --table "$OUT/table.txt"
 (cd "$RUNS" 2>/dev/null && tar czf "$OUT/runs.tar.gz" --exclude=checkpoints --exclude=tb . ) || true
 cat "$OUT/table.txt" 2>/dev/null
 rm -rf "$WORK"

@@ -56,8 +56,8 @@ def resume_check(runs: Path, resumed: str, resumed_from: str) -> dict:
     first = json.loads((before / "summary.json").read_text())
     second = json.loads((after / "summary.json").read_text())
     new_rows = [r for r in read_jsonl(after / "metrics.jsonl") if r["iteration"] > first["iteration"]]
-    ckpt = torch.load(after / "checkpoints" / "latest.pt", map_location="cpu", weights_only=True)
-    cuda_rng = ckpt["rng"].get("cuda")
+    rank_files = sorted((after / "checkpoints" / "ranks").glob("rank*.pt"))  # each rank's RNG streams
+    cuda_rng = [torch.load(p, map_location="cpu", weights_only=True).get("cuda_rng") for p in rank_files]
     on_gpu = str(second.get("topology", {}).get("device", "")).startswith("cuda")
     out = {"from_step": first["global_step"], "to_step": second["global_step"],
            "continued_at_iteration": new_rows[0]["iteration"] if new_rows else None,
@@ -84,6 +84,10 @@ def table(summary: dict) -> str:
     rc = summary.get("resume")
     if rc:
         lines += ["", f"resume: {rc}"]
+    for name, check in summary.get("compression_resume", {}).items():
+        lines.append(f"resume {name}: {check}")
+    if summary.get("compression_check"):
+        lines.append(f"compression state on the device: {summary['compression_check']}")
     if summary["learner"]:
         lines += ["", "learner alone (samples/s through full PPO updates):"]
         for row in summary["learner"]:
@@ -101,6 +105,7 @@ def main() -> int:
     parser.add_argument("--learner")
     parser.add_argument("--resumed")
     parser.add_argument("--resumed-from")
+    parser.add_argument("--compression", help="compression_check.py's output")
     parser.add_argument("--out", required=True)
     parser.add_argument("--table", required=True)
     args = parser.parse_args()
@@ -112,6 +117,11 @@ def main() -> int:
     }
     if args.resumed and (runs / args.resumed).is_dir():
         summary["resume"] = resume_check(runs, args.resumed, args.resumed_from)
+    compressed = [d.name[:-len("_resumed")] for d in sorted(runs.glob("c_*_resumed"))] if runs.is_dir() else []
+    if compressed:
+        summary["compression_resume"] = {name: resume_check(runs, f"{name}_resumed", name) for name in compressed}
+    if args.compression and Path(args.compression).exists():
+        summary["compression_check"] = json.loads(Path(args.compression).read_text())
     summary["failed_steps"] = [s["step"] for s in summary["steps"] if s["rc"] != 0]
     Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
     Path(args.table).write_text(table(summary))
