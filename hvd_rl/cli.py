@@ -79,12 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Evaluate a checkpoint on fresh episodes (single process). With "
                                           "--video/--gif, record greedy episodes from the environment's screen.")
     evaluate.add_argument("--checkpoint", required=True, help="checkpoint file, e.g. runs/x/checkpoints/latest.pt")
-    evaluate.add_argument("--episodes", type=int, help="episodes to finish (default 10; 1 when recording)")
+    evaluate.add_argument("--episodes", type=int, help="episodes to evaluate, split evenly over the envs, each "
+                                                         "env's first ones counted (default 10; 1 when recording)")
     evaluate.add_argument("--video", metavar="FILE.mp4", help="record greedy episodes into this H.264 video")
     evaluate.add_argument("--gif", metavar="FILE.gif", help="record greedy episodes into this animated GIF")
     evaluate.add_argument("--max-frames", type=int, default=27_000,
                           help="stop recording after this many frames (default 27000: 30 min of Atari)")
-    evaluate.add_argument("--num-envs", type=int, default=0, help="parallel envs (default min(episodes, 8))")
+    evaluate.add_argument("--num-envs", type=int, default=0, help="parallel envs (default 8; at most --episodes)")
     evaluate.add_argument("--seed", type=int, default=10_000, help="first environment seed")
     evaluate.add_argument("--greedy", action="store_true", help="argmax actions instead of sampling")
     evaluate.add_argument("--set", dest="overrides", action="append", default=[],
@@ -146,8 +147,37 @@ def _load_train_config(args: argparse.Namespace):
     if getattr(args, "run_dir", None):
         overrides.append(f"run_dir={_toml_string(args.run_dir)}")
     cfg = load_config(args.config, overrides)
-    validate(cfg, world_size=_launcher_rank()[1])  # the launcher says the rank count before Horovod starts
+    # The launcher says the rank count before Horovod starts (where it does not: _check_world).
+    validate(cfg, world_size=_launcher_rank()[1], elastic=bool(getattr(args, "elastic", False)))
     return cfg
+
+
+def _check_world(cfg, topo) -> int | None:
+    """A launcher that did not say the rank count before Horovod started: the rules that need it
+    (distributed.env_counts' length), once Horovod knows it, before any file is written. The ranks
+    agree on the verdict (an allgather), rank 0 prints it once, and once it has, every rank leaves
+    Horovod and MPI cleanly and exits 2. None: the config fits this world."""
+    import horovod.torch as hvd
+
+    from hvd_rl.config import ConfigError, validate
+    from hvd_rl.runtime import distributed as dist
+    from hvd_rl.runtime.trainer import EXIT_BAD_INPUT
+
+    try:
+        validate(cfg, world_size=topo.size)
+        mine = None
+    except ConfigError as exc:
+        mine = str(exc)
+    refusal = next((v for v in dist.allgather_object(mine, name="startup.world_rules") if v), None)
+    if refusal is None:
+        return None
+    if topo.size == 1:
+        return error_exit(refusal, EXIT_BAD_INPUT)
+    if topo.rank == 0:
+        _write_stderr(f"hvd-rl: error (all {topo.size} ranks): {refusal}")
+    dist.any_rank(False, name="startup.world_rules_printed")  # nobody leaves before rank 0 printed
+    hvd.shutdown()
+    return EXIT_BAD_INPUT
 
 
 def _toml_string(text: str) -> str:
@@ -259,6 +289,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         # Errors before the first collective (config, model/observation mismatch, precision,
         # launch) are deterministic: every rank raises the same one and exits 2 on its own.
         runtime = R.Runtime(cfg, resume=args.resume)
+        if not args.elastic and _launcher_rank()[1] is None:
+            refused = _check_world(cfg, runtime.topo)
+            if refused is not None:
+                return refused
         runtime.train_elastic() if args.elastic else runtime.train()
     except (CollectiveError, ConfigError, ModelError, UnsupportedSetup) as exc:
         # The same on every rank (agreed through a collective, or decided by the config and the

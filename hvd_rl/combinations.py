@@ -5,7 +5,9 @@ the rules `config.validate()` enforces.
     python -m hvd_rl.combinations      # prints the table
 
 A pair of option values is refused when `validate()` refuses it with every other option at its
-most permissive value (the first of its list); the table names the rule that refuses it.
+most permissive value (the first of its list); the table names the rule that refuses it. The table
+spans TABLE_OPTIONS: the matrix's options and the settings whose refusals need no run to show
+(tests/test_config.py probes every setting's values in pairs and checks each refusal is here).
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ OPTIONS: dict[str, list] = {  # first value = the most permissive one
     "amp": ["off", "bf16"],
 }
 NAMES = list(OPTIONS)
+# The table's options: the matrix's, with fp16 autocast (CUDA only, so the matrix on CPUs leaves it
+# out) and gradient clipping, whose default (ppo.max_grad_norm = 0.5) Adasum refuses.
+TABLE_OPTIONS: dict[str, list] = OPTIONS | {"amp": [*OPTIONS["amp"], "fp16"], "max_grad_norm": [0, 0.5]}
 ENV_IDS = {"ppo_discrete": "CartPole-v1", "ppo_continuous": "Pendulum-v1", "dqn": "CartPole-v1"}
 
 
@@ -35,7 +40,8 @@ def uneven_counts(ranks: int) -> list[int]:
 
 def option_overrides(values: dict) -> list[str]:
     """The `--set` values that put a run at these option values (`start` and `ranks` are how it
-    is launched, not settings). A run asking for Adasum turns clipping off, the fix validate names."""
+    is launched, not settings). Without a `max_grad_norm` value, a run asking for Adasum turns
+    clipping off, the fix validate names."""
     algorithm = "dqn" if values["algorithm"] == "dqn" else "ppo"
     sets = [f"algorithm={algorithm}", f"env.id={ENV_IDS[values['algorithm']]}", f"env.backend={values['backend']}",
             f"distributed.balance={values['balance']}", f"distributed.reduction={values['reduction']}",
@@ -44,7 +50,9 @@ def option_overrides(values: dict) -> list[str]:
         sets.append(f"distributed.env_counts={uneven_counts(values['ranks'])}")
     if algorithm == "ppo":
         sets.append(f"ppo.backward_passes_per_step={values['backward_passes_per_step']}")
-    if values["reduction"] == "adasum":
+    if "max_grad_norm" in values:
+        sets.append(f"{algorithm}.max_grad_norm={values['max_grad_norm']}")
+    elif values["reduction"] == "adasum":
         sets.append(f"{algorithm}.max_grad_norm=0")
     return sets
 
@@ -60,9 +68,9 @@ def refusal(cfg: TrainConfig, ranks: int) -> str | None:
 def refused_pairs() -> list[tuple[str, str, str]]:
     """(option = value, option = value, why) for every pair validate() refuses on its own."""
     out = []
-    for a, b in itertools.combinations(NAMES, 2):
-        for va, vb in itertools.product(OPTIONS[a], OPTIONS[b]):
-            values = {n: OPTIONS[n][0] for n in NAMES} | {a: va, b: vb}
+    for a, b in itertools.combinations(TABLE_OPTIONS, 2):
+        for va, vb in itertools.product(TABLE_OPTIONS[a], TABLE_OPTIONS[b]):
+            values = {n: options[0] for n, options in TABLE_OPTIONS.items()} | {a: va, b: vb}
             why = refusal(load_config(None, option_overrides(values)), values["ranks"])
             if why:
                 out.append((f"{a} = {va}", f"{b} = {vb}", why.removeprefix("invalid configuration: ")))

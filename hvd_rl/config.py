@@ -155,7 +155,8 @@ class DistributedConfig:
     # off | static (decide once, after the first window) | dynamic (every balance_every iterations)
     balance: str = "off"
     # Environments per rank, one entry per rank, for nodes known to differ (empty: env.num_envs on
-    # every rank). A world of another size (elastic resize) falls back to env.num_envs each.
+    # every rank). Another number of entries than ranks is refused at startup; an elastic job's
+    # world of another size (a resize) falls back to env.num_envs each.
     env_counts: list[int] = field(default_factory=list)
     balance_every: int = 5  # iterations per measurement window / decision
     balance_threshold: float = 0.05  # act only if the slowest rank gets at least this much faster
@@ -385,6 +386,16 @@ AMP_MODES = ("off", "auto", "bf16", "fp16")  # see hvd_rl/runtime/precision.py
 COMPRESSIONS = ("none", "fp16", "powersgd", "topk")  # see hvd_rl/runtime/compression.py
 MODEL_KINDS = ("auto", "nature_cnn", "mlp")
 WANDB_MODES = ("offline", "online")
+REDUCTIONS = ("average", "adasum")
+DEVICES = ("auto", "cpu", "cuda")
+BALANCE_MODES = ("off", "static", "dynamic")
+# Every setting that takes one of a few words, and its words (what validate() accepts): the
+# probe of combinations in tests/test_config.py tries each.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "algorithm": ALGORITHMS, "env.backend": BACKENDS, "model.kind": MODEL_KINDS,
+    "distributed.reduction": REDUCTIONS, "distributed.compression": COMPRESSIONS, "distributed.device": DEVICES,
+    "distributed.amp": AMP_MODES, "distributed.balance": BALANCE_MODES, "logging.wandb_mode": WANDB_MODES,
+}
 
 
 def _plain_name(text: str, empty_ok: bool, limit: int = 128, extra: str = "") -> bool:
@@ -393,9 +404,17 @@ def _plain_name(text: str, empty_ok: bool, limit: int = 128, extra: str = "") ->
                                                                    for c in text)
 
 
-def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
+def validate(cfg: TrainConfig, world_size: int | None = None, elastic: bool = False) -> None:
     """Raises ConfigError listing every problem; checks the env id against the registry.
-    `world_size`: the number of ranks, where the launcher says it before Horovod starts."""
+    `world_size`: the number of ranks, where the launcher says it before Horovod starts (else
+    `hvd-rl train` checks again once Horovod knows it). `elastic`: the world may change size."""
+    problems = config_problems(cfg, world_size, elastic)
+    if problems:
+        raise ConfigError(_problems_message(problems))
+
+
+def config_problems(cfg: TrainConfig, world_size: int | None = None, elastic: bool = False) -> list[str]:
+    """Every problem validate() would report, one message each (empty: the config is valid)."""
     problems: list[str] = []
 
     def need(ok: bool, message: str) -> None:
@@ -452,7 +471,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     need(q.learning_starts <= q.buffer_size,
          f"dqn.learning_starts ({q.learning_starts}) must not exceed dqn.buffer_size ({q.buffer_size}): "
          "the replay shards can never hold that many transitions, so learning would never start")
-    need(d.reduction in ("average", "adasum"),
+    need(d.reduction in REDUCTIONS,
          f"distributed.reduction must be 'average' or 'adasum', got {d.reduction!r}")
     need(d.compression in COMPRESSIONS, f"distributed.compression must be one of {COMPRESSIONS}, got {d.compression!r}")
     need(d.powersgd_rank >= 1, f"distributed.powersgd_rank must be >= 1, got {d.powersgd_rank}")
@@ -462,16 +481,18 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
              "= 'average' (Adasum combines whole gradients inside Horovod)")
         need(d.amp != "fp16", f"distributed.compression = {d.compression!r} does not work with distributed.amp = "
              "'fp16' (a step the loss scaler skips for overflow would leave inf in the residuals); use 'bf16' or 'off'")
-    need(d.device in ("auto", "cpu", "cuda"),
+    need(d.device in DEVICES,
          f"distributed.device must be 'auto', 'cpu' or 'cuda', got {d.device!r}")
     need(d.amp in AMP_MODES, f"distributed.amp must be one of {AMP_MODES}, got {d.amp!r}")
     need(d.cycle_time_ms >= 0, f"distributed.cycle_time_ms must be >= 0, got {d.cycle_time_ms}")
     if d.reduction == "adasum":
         # Horovod's Adasum optimizer steps on each rank's gradient inside the backward hooks.
-        need(cfg.algorithm != "ppo" or p.max_grad_norm == 0, "distributed.reduction = 'adasum' cannot "
-             "clip gradients (each rank steps inside Horovod's backward hooks): set ppo.max_grad_norm = 0")
-        need(cfg.algorithm != "dqn" or q.max_grad_norm == 0, "distributed.reduction = 'adasum' cannot "
-             "clip gradients (each rank steps inside Horovod's backward hooks): set dqn.max_grad_norm = 0")
+        if cfg.algorithm in ALGORITHMS:
+            clip = cfg.algorithm_config.max_grad_norm
+            default = section_classes()[cfg.algorithm]().max_grad_norm
+            need(clip == 0, "distributed.reduction = 'adasum' cannot clip gradients (each rank steps inside "
+                 f"Horovod's backward hooks): set {cfg.algorithm}.max_grad_norm = 0 "
+                 f"(it is {clip}{', the default' if clip == default else ''})")
         need(d.amp != "fp16", "distributed.reduction = 'adasum' does not work with distributed.amp = "
              "'fp16' (loss scaling); use 'bf16' or 'off'")
     if d.reduction == "adasum" and world_size is not None:
@@ -479,10 +500,15 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
              f"number of ranks, got {world_size} (Horovod's CPU Adasum)")
     need(d.threads_per_rank >= 0, f"distributed.threads_per_rank must be >= 0, got {d.threads_per_rank}")
     need(d.verify_every >= 0, f"distributed.verify_every must be >= 0, got {d.verify_every}")
-    need(d.balance in ("off", "static", "dynamic"),
+    need(d.balance in BALANCE_MODES,
          f"distributed.balance must be 'off', 'static' or 'dynamic', got {d.balance!r}")
     need(d.balance_every >= 2, f"distributed.balance_every must be >= 2, got {d.balance_every}")
     need(all(c > 0 for c in d.env_counts), f"distributed.env_counts must be positive, got {d.env_counts}")
+    if d.env_counts and world_size is not None and not elastic:
+        need(len(d.env_counts) == world_size,
+             f"distributed.env_counts has {len(d.env_counts)} entr{'y' if len(d.env_counts) == 1 else 'ies'} "
+             f"({_show(d.env_counts)}) for a job of {world_size} rank{'' if world_size == 1 else 's'}: "
+             "give one count per rank")
     if d.env_counts:
         need(cfg.algorithm == "ppo", "distributed.env_counts (uneven layouts) needs algorithm 'ppo'")
         need(d.reduction == "average", "distributed.env_counts needs distributed.reduction = 'average' "
@@ -535,8 +561,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     env_problem = check_env_id(e.id, e.backend)
     if env_problem:
         problems.append(env_problem)
-    if problems:
-        raise ConfigError(_problems_message(problems))
+    return problems
 
 
 def dump_toml(data: dict[str, Any]) -> str:

@@ -3,7 +3,7 @@ import tomllib
 
 import pytest
 
-from conftest import ATARI, BIN, CARTPOLE, check, mpirun_cmd, run
+from conftest import ATARI, BIN, CARTPOLE, QUICK, check, mpirun_cmd, run, train_cmd
 from hvd_rl.config import ConfigError, TrainConfig, load_config, validate
 
 
@@ -153,3 +153,120 @@ def test_negative_seed_is_refused_before_any_rank_starts():
     with pytest.raises(ConfigError, match=r"^invalid configuration: seed must be >= 0 .*got -1$"):
         validate(load_config(CARTPOLE, ["seed=-1"]))
     validate(load_config(CARTPOLE, ["seed=0"]))
+
+
+# ---- distributed.env_counts: one entry per rank (review item 5) ------------------------------
+
+ENV_COUNTS_MESSAGE = ("invalid configuration: distributed.env_counts has 2 entries ([1, 3]) for a job of 3 ranks: "
+                      "give one count per rank")
+
+
+def test_env_counts_must_have_one_entry_per_rank():
+    cfg = load_config(CARTPOLE, ["distributed.env_counts=[1, 3]"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=3)
+    assert str(err.value) == ENV_COUNTS_MESSAGE
+    validate(cfg, world_size=2)
+    validate(cfg)  # the rank count unknown yet: hvd-rl train checks again after hvd.init
+    validate(cfg, world_size=3, elastic=True)  # a resized elastic world falls back to env.num_envs
+
+
+def test_env_counts_of_another_length_exits_2_before_anything_is_written(tmp_path):
+    """3 real ranks, env_counts for 2 (mpirun says the size before Horovod starts): one line,
+    exit 2, no run directory. It trained on env.num_envs per rank before."""
+    run_dir = tmp_path / "run"
+    result = run(mpirun_cmd(3, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=384", "distributed.env_counts=[1, 3]")), timeout=120)
+    assert result.returncode == 2, result.stdout[-4000:]
+    assert [line for line in result.stdout.splitlines() if "hvd-rl" in line] == \
+        [f"hvd-rl: error (all 3 ranks): {ENV_COUNTS_MESSAGE}"], result.stdout
+    assert "Traceback" not in result.stdout and not run_dir.exists()
+
+
+def test_env_counts_checked_after_init_where_the_launcher_does_not_say_the_size(tmp_path):
+    """A launcher that names each rank but not the count (here mpirun with OMPI_COMM_WORLD_SIZE
+    removed; Horovod still finds 3 ranks through MPI): the ranks agree on the refusal right after
+    hvd.init, rank 0 prints it once, every rank exits 2 (each rank's own code, reported by a
+    wrapper) and nothing is written."""
+    run_dir = tmp_path / "run"
+    wrapper = ["bash", "-c", 'r=$OMPI_COMM_WORLD_RANK; unset OMPI_COMM_WORLD_SIZE; "$@"; echo "rank $r exited $?"',
+               "wrapper"]
+    result = run(mpirun_cmd(3, *wrapper, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=384", "distributed.env_counts=[1, 3]")), timeout=180)
+    out = result.stdout
+    assert all(f"rank {r} exited 2" in out for r in range(3)), out[-4000:]
+    assert [line for line in out.splitlines() if "hvd-rl" in line] == [f"hvd-rl: error (all 3 ranks): {ENV_COUNTS_MESSAGE}"], out
+    assert "Traceback" not in out and not run_dir.exists()
+
+
+# ---- every pairwise refusal is in the README's table (review item 6) ------------------------
+
+FREE_TEXT = {"env.id", "run_dir", "logging.wandb_project", "logging.wandb_entity", "logging.wandb_group",
+             "model.hidden_sizes", "logging.wandb_tags"}
+
+
+def _probe_values() -> dict[str, list]:
+    """Each setting's values besides its default: every other choice, the other truth value, 0
+    for a number (1 where 0 is the default); and how a job is launched: ranks, an uneven layout."""
+    import dataclasses
+    import typing
+
+    from hvd_rl.config import CHOICES, section_classes
+
+    defaults, out = TrainConfig(), {}
+    owners = [(None, TrainConfig)] + list(section_classes().items())
+    for section, cls in owners:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in section_classes() or f"{section}.{f.name}" == "distributed.env_counts":
+                continue  # a section; the layout (below)
+            path = f"{section}.{f.name}" if section else f.name
+            default = getattr(getattr(defaults, section) if section else defaults, f.name)
+            if path in CHOICES:
+                out[path] = [c for c in CHOICES[path] if c != default]
+            elif hints[f.name] is bool:
+                out[path] = [not default]
+            elif hints[f.name] in (int, float):
+                out[path] = [hints[f.name](0 if default else 1)]
+            else:
+                assert path in FREE_TEXT, f"{path}: add its values to config.CHOICES (or here, if free text)"
+    return out | {"ranks": [2, 3], "layout": ["uneven"]}
+
+
+def _problems(assignment: dict) -> frozenset[str]:
+    from hvd_rl.combinations import uneven_counts
+    from hvd_rl.config import config_problems
+
+    cfg, ranks = TrainConfig(), assignment.get("ranks", 1)
+    for path, value in assignment.items():
+        if "." in path or path not in ("ranks", "layout"):
+            *section, name = path.split(".")
+            setattr(getattr(cfg, section[0]) if section else cfg, name, value)
+    if "layout" in assignment:
+        cfg.distributed.env_counts = uneven_counts(ranks)
+    return frozenset(config_problems(cfg, world_size=ranks))
+
+
+def test_every_refusal_of_a_pair_of_settings_is_in_the_table():
+    """validate() probed over every setting (not just the table's options) one and two at a time:
+    a problem that needs both values, or that one value raises and another cures, is a refused
+    pair, and the README's table must name it. Values refused whatever else is set (num_envs = 0)
+    are not options. Fails for a rule added to validate() that the table's options do not reach."""
+    import itertools
+
+    from hvd_rl import combinations
+
+    values = [(path, v) for path, vs in _probe_values().items() for v in vs]
+    assert _problems({}) == frozenset()
+    single = {pv: _problems(dict([pv])) for pv in values}
+    pair = {(a, b): _problems(dict([a, b])) for a, b in itertools.combinations(values, 2) if a[0] != b[0]}
+    usable = {pv for pv in values if not single[pv]} | {x for key, found in pair.items() if not found for x in key}
+    refused: dict[str, tuple] = {}
+    for (a, b), found in pair.items():
+        if a in usable and b in usable:
+            alone = single[a] | single[b]
+            for problem in (found - alone) | (alone - found):  # needs both / raised by one, cured by the other
+                refused.setdefault(problem, (a, b))
+    table = {why for _, _, why in combinations.refused_pairs()}
+    assert any("cannot clip gradients" in p for p in refused)  # Adasum with the default ppo.max_grad_norm
+    missing = {p: pv for p, pv in refused.items() if p not in table}
+    assert not missing, f"refused pairs missing from the README's table (hvd_rl/combinations.py): {missing}"
+    assert set(refused) == table  # and the table names nothing validate() does not refuse

@@ -44,11 +44,12 @@ class Row:
         return "-".join(str(v) for v in self.values)
 
 
-def overrides(row: Row, *, num_envs: int = 2, total: int = TOTAL) -> list[str]:
-    """The row's options (hvd_rl.combinations, shared with the docs' table of refused pairs) and small sizes."""
+def overrides(row: Row, *, num_envs: int = 2, total: int = TOTAL, ranks: int | None = None) -> list[str]:
+    """The row's options (hvd_rl.combinations, shared with the docs' table of refused pairs) and small sizes;
+    `ranks`: launched on another number of ranks (a resume), whose uneven layout has one count per rank."""
     sets = ["logging.tensorboard=false", "logging.console=false", f"env.num_envs={num_envs}",
             "distributed.balance_every=2", "distributed.verify_every=1", "checkpoint.every=2",
-            *option_overrides(dict(zip(NAMES, row.values)))]
+            *option_overrides(dict(zip(NAMES, row.values)) | {"ranks": ranks or row.ranks})]
     if row.algorithm == "dqn":
         return sets + [f"dqn.total_timesteps={total}", "dqn.buffer_size=256", "dqn.learning_starts=96",
                        "dqn.batch_size=32", "dqn.train_frequency=4", "dqn.target_network_frequency=64",
@@ -87,7 +88,7 @@ REFUSED = pairwise([row for row in SPACE if _REFUSALS[row] is not None])
 
 
 def _launch(row: Row, run_dir, ranks: int, *, num_envs: int = 2, total: int = TOTAL, resume: bool = False):
-    cmd = train_cmd(run_dir, *overrides(row, num_envs=num_envs, total=total), config=CONFIGS[row.algorithm],
+    cmd = train_cmd(run_dir, *overrides(row, num_envs=num_envs, total=total, ranks=ranks), config=CONFIGS[row.algorithm],
                     extra=("--resume", "auto") if resume else ())
     return run(mpirun_cmd(ranks, *cmd), timeout=240)
 

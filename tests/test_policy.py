@@ -39,20 +39,108 @@ KINDS = {
 }
 
 
+class _Checkpoints(dict):
+    """Each kind's checkpoint, trained the first time a test asks for it (a test run with -k
+    trains only the kinds it needs)."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> Path:
+        config, sets = KINDS[name]
+        run_dir = self.root / name
+        check(run(train_cmd(run_dir, "logging.tensorboard=false", *sets, config=config), timeout=300))
+        self[name] = run_dir / "checkpoints" / "latest.pt"
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("trained")
-    out = {}
-    for name, (config, sets) in KINDS.items():
-        run_dir = root / name
-        check(run(train_cmd(run_dir, "logging.tensorboard=false", *sets, config=config), timeout=300))
-        out[name] = run_dir / "checkpoints" / "latest.pt"
-    return out
+    return _Checkpoints(tmp_path_factory.mktemp("trained"))
 
 
 def _cli(*args, env: dict | None = None) -> dict:
     out = check(run([BIN / "hvd-rl", *map(str, args)], timeout=300, env=env))
     return json.loads(out.strip().splitlines()[-1])
+
+
+# ---- evaluating ------------------------------------------------------------------------------
+
+def _games_in_finishing_order(checkpoint: Path, quotas: list[int], seed: int) -> list[tuple[int, float, int]]:
+    """(environment, return, length) of every game evaluate's run plays, in the order they end:
+    the same environments, seeds, random stream and stopping point, replayed here."""
+    from hvd_rl.envs.vector import RankEnvs
+    from hvd_rl.policy.trained import checkpoint_config, load_trained, single_process_env
+
+    cfg, state = checkpoint_config(checkpoint)
+    envs = RankEnvs(single_process_env(cfg.env, len(quotas)), threads=max(1, torch.get_num_threads()))
+    games: list[tuple[int, float, int]] = []
+    try:
+        trained = load_trained(checkpoint, envs, cfg, state)
+        torch.manual_seed(seed)
+        obs = envs.reset(list(range(seed, seed + len(quotas))))
+        while any(sum(g[0] == env for g in games) < quota for env, quota in enumerate(quotas)):
+            result = envs.step(trained.algorithm.act(obs, False))
+            games += zip(result.episode_envs, result.episode_returns, result.episode_lengths)
+            obs = result.obs
+    finally:
+        envs.close()
+    return games
+
+
+def test_evaluate_counts_each_envs_first_games_not_the_first_to_finish(checkpoints):
+    """Each environment's first games up to its quota (the quotas sum to --episodes), whatever the
+    others do. The first --episodes games to finish across the environments, which evaluate kept
+    before, over-represent short games: here they differ, and are shorter on average."""
+    from hvd_rl.policy.evaluate import episode_quotas, evaluate_checkpoint
+
+    episodes, num_envs, seed = 14, 4, 10_000
+    quotas = episode_quotas(episodes, num_envs)
+    assert quotas == [4, 4, 3, 3]
+    summary = evaluate_checkpoint(checkpoints["cartpole"], episodes=episodes, num_envs=num_envs, seed=seed)
+    games = _games_in_finishing_order(checkpoints["cartpole"], quotas, seed)
+    per_env = [[g for g in games if g[0] == env][:quota] for env, quota in enumerate(quotas)]
+    assert summary["returns_by_env"] == [[r for _, r, _ in kept] for kept in per_env]
+    assert summary["lengths_by_env"] == [[n for _, _, n in kept] for kept in per_env]
+    first_finished = games[:episodes]
+    lengths = [n for kept in per_env for _, _, n in kept]
+    assert max(lengths) > 2 * min(lengths)  # games of widely different lengths: where the bias shows
+    assert sorted(first_finished) != sorted(g for kept in per_env for g in kept)
+    assert np.mean([n for _, _, n in first_finished]) < np.mean(lengths)
+    returns = [r for kept in summary["returns_by_env"] for r in kept]
+    assert summary["episodes"] == episodes == len(returns)
+    assert summary["mean_return"] == pytest.approx(np.mean(returns))
+    assert summary["stderr_return"] == pytest.approx(np.std(returns, ddof=1) / np.sqrt(episodes))
+
+
+def test_evaluate_cli_reports_mean_and_standard_error(checkpoints):
+    summary = _cli("evaluate", "--checkpoint", checkpoints["cartpole"], "--episodes", 3, "--greedy")
+    assert summary["episodes"] == 3 and summary["num_envs"] == 3 and summary["std_return"] is not None
+    assert summary["stderr_return"] == pytest.approx(summary["std_return"] / np.sqrt(3))
+    assert [len(kept) for kept in summary["returns_by_env"]] == [1, 1, 1]
+
+
+def test_video_frames_go_to_the_encoder_as_they_are_drawn(checkpoints, tmp_path):
+    """A recording 10 times longer needs no more memory: each frame goes to ffmpeg when drawn.
+    Holding them (as before) took 720 KB per CartPole frame, 2.7 GB for 30 minutes of Atari."""
+    import tracemalloc
+
+    from hvd_rl.policy.video import record_checkpoint
+
+    def peak_bytes(frames: int) -> int:
+        tracemalloc.start()
+        try:
+            summary = record_checkpoint(checkpoints["cartpole"], video=tmp_path / f"{frames}.mp4", episodes=10_000,
+                                        max_frames=frames)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert summary["frames"] == frames and summary["height"] * summary["width"] * 3 == 720_000
+        return peak
+
+    short, long = peak_bytes(30), peak_bytes(300)
+    assert long < short + 30 * 720_000, (short, long)  # holding 270 more frames would add 194 MB
 
 
 # ---- watching the agent -----------------------------------------------------------------------

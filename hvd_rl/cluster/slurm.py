@@ -27,7 +27,8 @@ _SBATCH_VALUES = {
     "partition": (re.compile(rf"{_NAME}(,{_NAME})*"), "names of letters, digits and . _ + -, separated by commas"),
     "account": (re.compile(_NAME), "letters, digits and . _ + -"),
 }
-_RANK_LIST = re.compile(r"[0-9]+(\s+[0-9]+)*")  # ASCII digits only (str.isdigit takes '\u00b2')
+# ASCII digits only (str.isdigit takes '\u00b2'), at most 9 a number (int() refuses 4300+ digits)
+_RANK_LIST = re.compile(r"[0-9]{1,9}(\s+[0-9]{1,9})*")
 
 
 class SlurmRenderError(RenderError):

@@ -400,6 +400,7 @@ class StepResult:
     final_obs: np.ndarray | None  # observations at truncation, rows for np.flatnonzero(truncated)
     episode_returns: list[float] = field(default_factory=list)  # whole games finished this step
     episode_lengths: list[int] = field(default_factory=list)
+    episode_envs: list[int] = field(default_factory=list)  # the environment each of those games ran in
 
 
 class RankEnvs:
@@ -479,22 +480,23 @@ class RankEnvs:
         return _AtariStep(np.asarray(frames), np.asarray(reward, dtype=np.float64), terminated,
                           truncated, life_lost, end_extra, start_extra, final_frames)
 
-    def _finish_games(self, ended: np.ndarray) -> tuple[list[float], list[int]]:
-        """Statistics of the whole games that ended in this step; their counters restart."""
+    def _finish_games(self, ended: np.ndarray) -> tuple[list[float], list[int], list[int]]:
+        """Statistics of the whole games that ended in this step, and their environments; their
+        counters restart."""
         if not ended.any():
-            return [], []
+            return [], [], []
         done_idx = np.flatnonzero(ended)
         returns, lengths = self._returns[done_idx].tolist(), self._lengths[done_idx].tolist()
         self._returns[done_idx] = 0
         self._lengths[done_idx] = 0
-        return returns, lengths
+        return returns, lengths, done_idx.tolist()
 
     def _atari_step(self, actions: np.ndarray) -> StepResult:
         s = self.vec.step(actions) if self.cfg.backend == "ale_vector" else self._gym_atari_step(actions)
         ended = s.terminated | s.truncated
         self._returns += s.reward + s.end_extra  # raw game score, forced steps included
         self._lengths += 1  # agent steps
-        result_returns, result_lengths = self._finish_games(ended)
+        result_returns, result_lengths, result_envs = self._finish_games(ended)
         self._returns += s.start_extra
 
         # A lost life is a terminal for training only; the game goes on (and was relaunched).
@@ -520,6 +522,7 @@ class RankEnvs:
             final_obs=final_obs,
             episode_returns=result_returns,
             episode_lengths=result_lengths,
+            episode_envs=result_envs,
         )
 
     def step(self, actions: np.ndarray) -> StepResult:
@@ -533,7 +536,7 @@ class RankEnvs:
 
         self._returns += reward
         self._lengths += 1
-        result_returns, result_lengths = self._finish_games(ended)
+        result_returns, result_lengths, result_envs = self._finish_games(ended)
 
         train_terminated = terminated
         bootstrap = truncated & ~train_terminated
@@ -550,6 +553,7 @@ class RankEnvs:
             final_obs=final_obs,
             episode_returns=result_returns,
             episode_lengths=result_lengths,
+            episode_envs=result_envs,
         )
 
     def close(self) -> None:

@@ -1,6 +1,10 @@
 """Watching the agent: greedy episodes of a checkpoint's policy recorded as a video (mp4) or an
 animation (gif), from the environment's own `rgb_array` screen (the full-colour game for Atari,
-not the 84x84 grayscale the network sees). One frame after the reset and one per agent step."""
+not the 84x84 grayscale the network sees). One frame after the reset and one per agent step.
+
+Frames go to the H.264 encoder as they are drawn, so a video holds none of them in memory (a
+30-minute Atari game is 27,000 frames, 2.7 GB). A GIF is written at the end (Pillow's encoder takes
+all frames at once) and holds the frames it keeps, which --max-frames bounds."""
 from __future__ import annotations
 
 import math
@@ -49,28 +53,61 @@ def _screen(envs: RankEnvs) -> np.ndarray:
     return frame
 
 
-def _write(frames: list[np.ndarray], video: Path | None, gif: Path | None, fps: float) -> None:
+def _imageio(video: bool) -> Any:
     try:
         import imageio.v2 as imageio
-        if video is not None:
+        if video:
             import imageio_ffmpeg  # noqa: F401 - the ffmpeg binary behind imageio's mp4 writer
     except ImportError as exc:
         raise ConfigError(f"recording needs {exc.name}: pip install 'hvd_rl[tools]' "
                           "(scripts/setup.sh installs it)") from None
+    return imageio
 
-    if video is not None:
-        video.parent.mkdir(parents=True, exist_ok=True)
-        # libx264 needs even sizes; every renderer here gives them, and nothing is resized.
-        with imageio.get_writer(video, fps=fps, codec="libx264", quality=7, macro_block_size=2,
-                                ffmpeg_log_level="error") as writer:
-            for frame in frames:
-                writer.append_data(frame)
-    if gif is not None:
-        gif.parent.mkdir(parents=True, exist_ok=True)
+
+class Recorder:
+    """Takes the frames one at a time: the video's go straight to ffmpeg, the GIF keeps every k-th."""
+
+    def __init__(self, video: Path | None, gif: Path | None, fps: float):
+        self.imageio = _imageio(video is not None)
+        self.gif, self.fps, self.frames, self.shape = gif, fps, 0, None
         # GIF counts hundredths of a second and viewers slow anything under 20 ms down: above
         # GIF_MAX_FPS (MuJoCo's 125 frames/s) every k-th frame is kept, for the same duration.
-        step = max(1, math.ceil(fps / GIF_MAX_FPS))
-        imageio.mimsave(gif, frames[::step], duration=1000.0 * step / fps, loop=0)
+        self.gif_step = max(1, math.ceil(fps / GIF_MAX_FPS))
+        self.gif_frames: list[np.ndarray] = []
+        self.video, self.writer = video, None
+        if video is not None:
+            video.parent.mkdir(parents=True, exist_ok=True)
+            # libx264 needs even sizes; every renderer here gives them, and nothing is resized.
+            self.writer = self.imageio.get_writer(video, fps=fps, codec="libx264", quality=7, macro_block_size=2,
+                                                  ffmpeg_log_level="error")
+
+    def add(self, frame: np.ndarray) -> None:
+        if self.writer is not None:
+            self.writer.append_data(frame)
+        if self.gif is not None and self.frames % self.gif_step == 0:
+            self.gif_frames.append(frame)
+        self.frames += 1
+        self.shape = frame.shape
+
+    def close(self) -> None:
+        """Finishes the video, then writes the GIF."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.gif is not None and self.gif_frames:
+            self.gif.parent.mkdir(parents=True, exist_ok=True)
+            self.imageio.mimsave(self.gif, self.gif_frames, duration=1000.0 * self.gif_step / self.fps, loop=0)
+            self.gif_frames = []
+
+    def abort(self) -> None:
+        """A recording that failed leaves no partial video behind."""
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            finally:
+                self.writer = None
+                self.video.unlink(missing_ok=True)
+        self.gif_frames = []
 
 
 def record_checkpoint(path: str | Path, video: str | Path | None = None, gif: str | Path | None = None,
@@ -92,26 +129,34 @@ def record_checkpoint(path: str | Path, video: str | Path | None = None, gif: st
     if not os.environ.get("DISPLAY"):  # no screen: draw off-screen
         os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame (classic control)
         os.environ.setdefault("MUJOCO_GL", "egl")  # MuJoCo: EGL (GPU, or Mesa's software EGL)
+    _imageio(video is not None)  # a missing encoder is said before any game is played
     envs = RankEnvs(env_cfg, threads=max(1, torch.get_num_threads()), render_mode="rgb_array")
+    recorder: Recorder | None = None
     try:
         trained = load_trained(path, envs, cfg, state)
         torch.manual_seed(seed)
         obs = envs.reset([seed])
-        frames = [_screen(envs)]
+        recorder = Recorder(Path(video) if video else None, Path(gif) if gif else None,
+                            _fps(envs, env_cfg.frame_skip))
+        recorder.add(_screen(envs))
         returns: list[float] = []
         lengths: list[int] = []
-        while len(returns) < episodes and len(frames) < max_frames:
+        while len(returns) < episodes and recorder.frames < max_frames:
             result = envs.step(trained.algorithm.act(obs, greedy=True))
-            frames.append(_screen(envs))
+            recorder.add(_screen(envs))
             returns.extend(result.episode_returns)
             lengths.extend(result.episode_lengths)
             obs = result.obs
-        fps = _fps(envs, env_cfg.frame_skip)
+    except BaseException:
+        if recorder is not None:
+            recorder.abort()
+        raise
     finally:
         envs.close()
-    _write(frames, Path(video) if video else None, Path(gif) if gif else None, fps)
+    recorder.close()
+    height, width = recorder.shape[:2]
     return {"checkpoint": str(path), "env_id": cfg.env.id, "global_step": trained.global_step,
-            "frames": len(frames), "height": int(frames[0].shape[0]), "width": int(frames[0].shape[1]),
-            "fps": fps, "episodes": len(returns), "returns": [float(r) for r in returns],
+            "frames": recorder.frames, "height": int(height), "width": int(width),
+            "fps": recorder.fps, "episodes": len(returns), "returns": [float(r) for r in returns],
             "lengths": [int(n) for n in lengths], "complete": len(returns) >= episodes,
             "video": str(video) if video else None, "gif": str(gif) if gif else None}
