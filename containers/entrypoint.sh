@@ -6,7 +6,9 @@
 #                                       (Kubernetes MPIJob workers, the two-container test)
 # On AWS Batch multi-node parallel jobs (AWS_BATCH_JOB_NUM_NODES set) every node runs
 # `hvd-rl aws-batch -- COMMAND`: the main node runs COMMAND under mpirun across all nodes and
-# every node exits with its code (hvd_rl/cluster/aws_batch.py).
+# every node exits with its code (hvd_rl/cluster/aws_batch.py). It is exec'd, so it is PID 1 and
+# receives AWS Batch's SIGTERM (a stop, a Spot interruption) itself: it handles it (the ranks
+# checkpoint, the main node exits 75); the kernel would ignore SIGTERM for a PID 1 without a handler.
 set -euo pipefail
 if [ $# -gt 0 ] && [[ "$1" != -* ]] && command -v -- "$1" >/dev/null 2>&1; then
   command=("$@")

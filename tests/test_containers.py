@@ -5,13 +5,19 @@ them (a new container resumes it), and AWS Batch multi-node parallel jobs: N con
 the AWS_BATCH_JOB_* variables form one MPI job, and a child that never shows up ends the job
 with one line, on every node, within the wait.
 
-Skipped with the reason where podman, mmdebstrap (the local base image) or namespaces are
-missing; `make test` installs them on Debian. HVD_RL_TEST_IMAGE names an image to test instead of
-building one."""
+On AWS Batch the job's secret keeps a stranger out (a container without it is refused, by
+the main node, in one line), and SIGTERM, as AWS Batch stops a job, checkpoints the ranks: both
+containers exit 75 and a new job resumes the run. containers/podman.sh keeps the host's own
+containers.conf settings under its own.
+
+Where podman, mmdebstrap (the local base image) or namespaces are missing: skipped with the
+reason, failed under CI (`make test` installs them on Debian; conftest.missing_prerequisite).
+HVD_RL_TEST_IMAGE names an image to test instead of building one."""
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import time
@@ -20,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import QUICK, REPO, read_jsonl
+from conftest import QUICK, REPO, missing_prerequisite, read_jsonl
 
 pytestmark = pytest.mark.container
 
@@ -41,12 +47,12 @@ def podman(*args: str, timeout: float = 300, check: bool = True) -> subprocess.C
 @pytest.fixture(scope="module")
 def image() -> str:
     if shutil.which("podman") is None:
-        pytest.skip("podman is not installed (Debian: apt-get install podman runc mmdebstrap; make test does)")
+        missing_prerequisite("podman is not installed (Debian: apt-get install podman runc mmdebstrap; make test does)")
     if "HVD_RL_TEST_IMAGE" in os.environ:
         podman("image", "exists", IMAGE)
         return IMAGE
     if shutil.which("mmdebstrap") is None:
-        pytest.skip("mmdebstrap is not installed: the local base image cannot be made")
+        missing_prerequisite("mmdebstrap is not installed: the local base image cannot be made")
     build = subprocess.run([str(REPO / "containers" / "build_image.sh")], capture_output=True, text=True,
                            timeout=3600, env={**os.environ, "IMAGE": IMAGE, "HVD_RL_PODMAN_QUIET": "1"})
     assert build.returncode == 0, f"image build failed:\n{build.stdout[-4000:]}\n{build.stderr[-4000:]}"
@@ -58,7 +64,7 @@ def network(image):
     name = f"hvdrl-test-{uuid.uuid4().hex[:8]}"
     made = podman("network", "create", "--subnet", f"{SUBNET}.0/24", name, check=False)
     if made.returncode != 0:
-        pytest.skip(f"podman cannot make a network here: {made.stderr.strip()[-300:]}")
+        missing_prerequisite(f"podman cannot make a network here: {made.stderr.strip()[-300:]}")
     try:
         yield name
     finally:
@@ -83,6 +89,19 @@ def quick(*extra: str) -> list[str]:
 
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_podman_wrapper_keeps_the_host_configuration_under_its_own_settings(tmp_path):
+    """The host's containers.conf (here CONTAINERS_CONF's) still counts when containers/podman.sh
+    adds its settings (on hosts that need none, it runs podman as it is)."""
+    if shutil.which("podman") is None:
+        missing_prerequisite("podman is not installed (Debian: apt-get install podman runc mmdebstrap; make test does)")
+    host = tmp_path / "host.conf"
+    host.write_text('[containers]\ntz = "UTC"\n[engine]\nevents_logger = "none"\n')
+    info = subprocess.run([str(PODMAN), "info", "--format", "{{.Host.EventLogger}}"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "CONTAINERS_CONF": str(host), "HVD_RL_PODMAN_QUIET": "1"})
+    assert info.returncode == 0, info.stderr[-2000:]
+    assert info.stdout.strip() == "none"
 
 
 def test_image_checks_itself_and_its_entry_point(image):
@@ -153,15 +172,21 @@ def test_two_containers_as_two_nodes_then_a_new_container_resumes(image, network
     assert steps == sorted(steps) and steps[-1] == 1024 and len(set(steps)) == len(steps)
 
 
+JOB_SECRET = secrets.token_hex(32)  # what the job definition's Secrets Manager entry gives every node
+
+
 def _batch_node(image: str, network: str, name: str, index: int, num_nodes: int, runs: Path,
-                wait_s: int, *command: str, base: int = 20) -> list[str]:
-    """`podman run` arguments of node `index` of a job whose nodes have addresses SUBNET.base + index."""
+                wait_s: int, *command: str, base: int = 20, address: int | None = None,
+                secret: str = JOB_SECRET) -> list[str]:
+    """`podman run` arguments of node `index` of a job whose nodes have addresses SUBNET.base + index
+    (`address`: another last byte for this one)."""
     env = {"AWS_BATCH_JOB_NODE_INDEX": index, "AWS_BATCH_JOB_MAIN_NODE_INDEX": 0,
-           "AWS_BATCH_JOB_NUM_NODES": num_nodes, "HVD_RL_NODE_WAIT_S": wait_s, "HVD_RL_RANKS_PER_NODE": 1}
+           "AWS_BATCH_JOB_NUM_NODES": num_nodes, "HVD_RL_NODE_WAIT_S": wait_s, "HVD_RL_RANKS_PER_NODE": 1,
+           "HVD_RL_RENDEZVOUS_SECRET": secret}
     if index != 0:
         env["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"] = f"{SUBNET}.{base}"
-    args = ["run", "-d", "--name", name, "--network", network, "--ip", f"{SUBNET}.{base + index}",
-            "-v", f"{runs}:/runs"]
+    last_byte = base + index if address is None else address
+    args = ["run", "-d", "--name", name, "--network", network, "--ip", f"{SUBNET}.{last_byte}", "-v", f"{runs}:/runs"]
     for key, value in env.items():
         args += ["-e", f"{key}={value}"]
     return args + [image, *command]
@@ -185,12 +210,28 @@ def test_aws_batch_nodes_form_one_mpi_job_and_share_its_exit_code(image, network
     command = ["train", "--config", CARTPOLE, "--run-dir", "/runs/batch", "--resume", "auto",
                *quick("ppo.total_timesteps=768")]
     names = [f"b{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
-    containers.extend(names)
-    for index in (2, 1, 0):  # children first: they wait for the main node
-        podman(*_batch_node(image, network, names[index], index, 3, runs, 120, *command))
+    stranger = f"s-{uuid.uuid4().hex[:6]}"
+    containers.extend([*names, stranger])
+    # A child first (it waits for the main node), and a stranger on the same network that claims to
+    # be node 1 without the job's secret; then the main node; the real node 1 once the stranger
+    # has been refused.
+    podman(*_batch_node(image, network, names[2], 2, 3, runs, 120, *command))
+    podman(*_batch_node(image, network, stranger, 1, 3, runs, 120, *command, address=29, secret="x" * 64))
+    podman(*_batch_node(image, network, names[0], 0, 3, runs, 120, *command))
+    deadline = time.monotonic() + 120
+    while f"refused {SUBNET}.29:" not in podman("logs", names[0]).stderr:
+        assert time.monotonic() < deadline, podman("logs", names[0]).stderr + podman("logs", stranger).stderr
+        time.sleep(0.5)
+    podman(*_batch_node(image, network, names[1], 1, 3, runs, 120, *command))
     codes = [_wait_exit(name, 400) for name in names]
     logs = [podman("logs", name).stderr for name in names]
     assert codes == [0, 0, 0], "\n".join(logs)
+    assert _wait_exit(stranger, 60) == 2
+    stranger_log = podman("logs", stranger).stderr
+    stranger_errors = [line for line in stranger_log.splitlines() if line.startswith("hvd-rl: error")]
+    assert len(stranger_errors) == 1 and "refused this node: registration as node 1 without the job's secret" \
+        in stranger_errors[0], stranger_errors
+    assert f"{SUBNET}.20 slots=1" in logs[0]  # the main node's own (bound) address leads the hostfile
     result = summary(runs / "batch")
     assert result["status"] == "completed" and result["world_size"] == 3 and result["global_step"] == 768
     assert result["parameters_identical"] and result["topology"]["nodes"] == 3
@@ -221,3 +262,50 @@ def test_aws_batch_child_that_never_shows_up_ends_the_job_clearly(image, network
     errors = [line for line in main_log.splitlines() if line.startswith("hvd-rl: error")]
     assert len(errors) == 1 and "node 2 of 3 did not report" in errors[0], main_log
     assert not (runs / "batch").exists()
+
+
+def test_aws_batch_sigterm_checkpoints_every_node_exits_75_and_a_new_job_resumes(image, network, containers,
+                                                                                    tmp_path):
+    """As AWS Batch stops a job (or a Spot instance goes): SIGTERM to each container's PID 1 (the
+    entry point), the child's first, and SIGKILL 30 s later (podman stop -t 30, the ECS agent's
+    default). The ranks checkpoint within that, both nodes exit 75 (the job definition retries
+    it), and the retry, new containers on the same run directory, resumes."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    command = ["train", "--config", CARTPOLE, "--run-dir", "/runs/stop", "--resume", "auto"]
+    main, child = f"p0-{uuid.uuid4().hex[:6]}", f"p1-{uuid.uuid4().hex[:6]}"
+    containers.extend([main, child])
+    podman(*_batch_node(image, network, child, 1, 2, runs, 120, *command, *quick("ppo.total_timesteps=1000000"),
+                        base=50))
+    podman(*_batch_node(image, network, main, 0, 2, runs, 120, *command, *quick("ppo.total_timesteps=1000000"),
+                        base=50))
+    metrics, deadline = runs / "stop" / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline, podman("logs", main).stderr[-4000:]
+        time.sleep(0.5)
+    podman("kill", "--signal", "TERM", child)  # a child that gets SIGTERM must not end the job early
+    podman("stop", "-t", "30", main, timeout=120)
+    codes = [_wait_exit(main, 120), _wait_exit(child, 120)]
+    main_log, child_log = podman("logs", main).stderr, podman("logs", child).stderr
+    assert codes == [75, 75], main_log[-4000:] + child_log[-2000:]
+    assert "SIGTERM: asking the ranks to checkpoint (writing /runs/stop/stop.request)" in main_log
+    assert "preempted.json written; exiting 75" in main_log
+    assert "had SIGTERM: stayed up for the main node" in child_log
+    marker = json.loads((runs / "stop" / "preempted.json").read_text())
+    assert not (runs / "stop" / "stop.request").exists()
+
+    # The retry strategy's next attempt: new containers, the same run directory.
+    goal = marker["global_step"] + 256
+    again = [f"r{i}-{uuid.uuid4().hex[:6]}" for i in range(2)]
+    containers.extend(again)
+    for index in (1, 0):
+        podman(*_batch_node(image, network, again[index], index, 2, runs, 120, *command,
+                            *quick(f"ppo.total_timesteps={goal}"), base=60))
+    assert [_wait_exit(name, 400) for name in again] == [0, 0], podman("logs", again[0]).stderr[-4000:]
+    resumed = podman("logs", again[0])
+    assert "resum" in (resumed.stdout + resumed.stderr).lower()
+    result = summary(runs / "stop")
+    assert result["status"] == "completed" and result["global_step"] == goal and result["world_size"] == 2
+    assert result["parameters_identical"]
+    steps = [r["global_step"] for r in read_jsonl(runs / "stop" / "metrics.jsonl")]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps) and steps[-1] == goal
