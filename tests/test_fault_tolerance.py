@@ -1,10 +1,10 @@
 """Checkpoints, resume, preemption, elastic training and failing well: real ranks, real signals."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,7 @@ from hvd_rl.runtime.checkpoint import load_checkpoint
 PREEMPTED = 75
 BAD_INPUT = 2
 NONFINITE = 3
+PEER_LOST = 4  # hvd_rl.runtime.watchdog.EXIT_PEER_LOST
 
 
 def _steps(rows):
@@ -311,13 +312,15 @@ def _assert_failed_cleanly(result, code, fragment, ranks=2):
 ])
 def test_bad_config_fails_on_every_rank_without_touching_disk(tmp_path, override, fragment):
     run_dir = tmp_path / "run"
-    start_time = time.time()
     result = run(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, override)), timeout=120)
     _assert_failed_cleanly(result, BAD_INPUT, fragment)
     # Every rank has the same message: printed once, by rank 0, for both (issue 22 finding 16).
+    # One copy is also the order of events that makes the failure prompt: rank 0 printed and
+    # exited, and mpirun ended rank 1 before rank 1's own fallback (it prints its copy after
+    # cli.ERROR_WAIT_S, 30 s) had run, so nothing waited for a timeout.
     assert result.stdout.count(fragment) == 1 and "hvd-rl: error (all 2 ranks):" in result.stdout, result.stdout
+    assert "[rank 1] hvd-rl: error" not in result.stdout
     assert not run_dir.exists()
-    assert time.time() - start_time < 60
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "other_env", "other_model"])
@@ -368,6 +371,10 @@ def _make_unwritable(directory: Path):
         return lambda: subprocess.run(["umount", str(directory)], check=True)
     if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode == 0:
         return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)
+    # A plain skip, not conftest.missing_prerequisite: nothing `make test` installs is missing
+    # (mount and chattr are in every Debian base), the runner's privileges are (root without
+    # CAP_SYS_ADMIN, on a filesystem without the immutable flag). CI's runner has CAP_SYS_ADMIN,
+    # and a runner without it fails the simulated-cluster tests there, so the gap shows.
     pytest.skip("cannot make a directory unwritable for root here (no bind mount, no chattr)")
 
 
@@ -394,16 +401,21 @@ def test_nan_loss_stops_all_ranks_and_keeps_last_checkpoint(tmp_path):
     assert [r["iteration"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
-def test_killed_rank_ends_the_job_within_60_seconds(tmp_path):
+def test_killed_rank_ends_the_job_before_the_peer_timeout(tmp_path):
+    """A rank SIGKILLed mid-training ends the job through mpirun's own detection of the dead
+    process, which comes before rank 0's peer watchdog would (distributed.peer_timeout, 30 s:
+    the fallback for a peer that goes silent without dying): the order of events, not a wall
+    clock. The finish timeout only guards against a hang."""
     run_dir = tmp_path / "run"
     proc = start(mpirun_cmd(2, *train_cmd(run_dir, *QUICK, "ppo.total_timesteps=100000",
-                                          "debug.iteration_sleep=0.1")))
+                                          "debug.iteration_sleep=0.1", "distributed.peer_timeout=30")))
     wait_for_iterations(run_dir, 2, proc, timeout=120)
-    killed_at = time.time()
     os.kill(rank_pid(str(run_dir), 1), signal.SIGKILL)
-    code, out = finish(proc, timeout=60)
-    assert code != 0
-    assert time.time() - killed_at < 60
+    code, out = finish(proc, timeout=300)
+    assert code != 0 and code != PEER_LOST, out[-3000:]
+    assert re.search(r"rank 1 with PID \d+ on node \S+ exited on signal 9", out), out[-3000:]
+    assert "have not answered" not in out  # the watchdog's exit (code 4) never came
+    assert not (run_dir / "summary.json").exists()  # the run did not pretend to finish
 
 
 # ---- elastic ----------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, QUICK, REPO, check, launch_env, read_jsonl, run, train_cmd
+from conftest import BIN, QUICK, REPO, check, launch_env, missing_prerequisite, read_jsonl, run, train_cmd
 
 CLUSTER = REPO / "slurm" / "sim_cluster.sh"
 NODES = ["node1", "node2"]
@@ -34,10 +34,11 @@ def _cluster_env(base: dict[str, str]) -> dict[str, str]:
 
 def running_cluster(tmp_path_factory, name: str, *start_args: str):
     """A simulated cluster for one test module (also tests/test_node_faults.py), stopped at the
-    end even when a test fails; skipped with the reason where namespaces cannot be used."""
+    end even when a test fails. Where namespaces cannot be used or SLURM cannot be installed it
+    skips with the reason, and fails under CI (conftest.missing_prerequisite)."""
     probe = subprocess.run([str(CLUSTER), "check"], capture_output=True, text=True, timeout=60)
     if probe.returncode == 3:
-        pytest.skip(f"no simulated cluster here: {probe.stdout.strip()}")
+        missing_prerequisite(f"no simulated cluster here: {probe.stdout.strip()}")
     assert probe.returncode == 0, probe.stdout + probe.stderr
     state = tmp_path_factory.mktemp(name)
     owner = Path("/sys/class/net/hvdrl0/ifalias")
@@ -49,7 +50,7 @@ def running_cluster(tmp_path_factory, name: str, *start_args: str):
     if start.returncode != 0:
         _cluster(env, "stop")
         if "apt-get" in start.stderr or "Unable to locate package" in start.stderr:
-            pytest.skip(f"SLURM cannot be installed here: {start.stderr.strip()[-300:]}")
+            missing_prerequisite(f"SLURM cannot be installed here: {start.stderr.strip()[-300:]}")
         pytest.fail(f"could not start the simulated cluster:\n{start.stdout}\n{start.stderr}")
     try:
         yield env

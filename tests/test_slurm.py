@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, REPO, check, launch_env, read_jsonl, run
+from conftest import BIN, REPO, check, launch_env, missing_prerequisite, read_jsonl, run
 from hvd_rl.runtime.checkpoint import load_checkpoint
 
 CLUSTER = REPO / "slurm" / "local_cluster.sh"
@@ -115,11 +115,13 @@ def _unsafe_state_dir(tmp_path: Path, kind: str) -> Path:
 def test_cluster_scripts_refuse_an_unsafe_state_directory(tmp_path, script, kind):
     """The root-run scripts keep state (slurm.conf, pid files, the daemons' spool) under a fixed
     default path in the shared temp directory: one planted there must not be used."""
-    if os.geteuid() != 0:
-        pytest.skip("the cluster scripts start daemons as root; chown needs root")
-    if script == "sim_cluster.sh" and subprocess.run([str(REPO / "slurm" / script), "check"],
-                                                     capture_output=True).returncode != 0:
-        pytest.skip("no network namespaces here: sim_cluster.sh refuses before it looks at its state")
+    if os.geteuid() != 0:  # CI runs as root: the SLURM daemons and the simulated cluster need it
+        missing_prerequisite("root: the cluster scripts start daemons as root, and chown needs root")
+    if script == "sim_cluster.sh":
+        probe = subprocess.run([str(REPO / "slurm" / script), "check"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            missing_prerequisite(f"no simulated cluster here (sim_cluster.sh refuses before it looks at its "
+                                 f"state): {probe.stdout.strip()}")
     var, args = CLUSTER_SCRIPTS[script]
     state = _unsafe_state_dir(tmp_path, kind)
     before = sorted(p.name for p in tmp_path.rglob("*"))
@@ -154,13 +156,13 @@ def test_state_directory_is_created_private_and_an_existing_own_one_is_used(tmp_
 @pytest.fixture(scope="module")
 def slurm_env(tmp_path_factory):
     if os.geteuid() != 0 and subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode != 0:
-        pytest.skip("SLURM daemons need root or passwordless sudo on this machine")
+        missing_prerequisite("SLURM daemons need root or passwordless sudo on this machine")
     state = tmp_path_factory.mktemp("slurm_state")
     env = launch_env({"HVD_RL_SLURM_DIR": str(state), "SLURM_CONF": str(state / "slurm.conf")})
     start = subprocess.run([str(CLUSTER), "start"], env=env, capture_output=True, text=True, timeout=600)
     if start.returncode != 0:
         if "apt-get" in start.stderr or "Unable to locate package" in start.stderr:
-            pytest.skip(f"SLURM cannot be installed here: {start.stderr.strip()[-300:]}")
+            missing_prerequisite(f"SLURM cannot be installed here: {start.stderr.strip()[-300:]}")
         pytest.fail(f"could not start SLURM:\n{start.stdout}\n{start.stderr}")
     yield env
     subprocess.run([str(CLUSTER), "stop"], env=env, capture_output=True, timeout=120)
