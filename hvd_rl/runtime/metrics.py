@@ -120,9 +120,10 @@ class MetricsLogger:
                  purge_step: int | None = None, tracker: Any = None):
         """`purge_step`: on resume, TensorBoard drops the events of steps >= it (the iterations
         after the checkpoint are run again), as metrics.jsonl is truncated. `tracker`: a
-        tracking.WandbTracker that gets the same scalars, or None."""
+        tracking.WandbTracker that gets the same scalars (except at steps it already holds), or None."""
         self.run_dir = Path(run_dir)
         self._tracker = tracker
+        self._tracker_skip_noted = False
         self._jsonl = open(self.run_dir / METRICS_FILE, "a", buffering=1)
         self._episodes = open(self.run_dir / EPISODES_FILE, "a", buffering=1)
         self._console = console
@@ -142,8 +143,11 @@ class MetricsLogger:
             if self._tb is not None:
                 for name, value in scalars.items():
                     self._tb.add_scalar(name, value, step)
-            if self._tracker is not None:
-                self._tracker.log(scalars, step)
+            if self._tracker is not None and not self._tracker.log(scalars, step) and not self._tracker_skip_noted:
+                self._tracker_skip_noted = True
+                self.note(f"W&B already holds global steps up to {self._tracker.logged_through} (logged before "
+                          "this restart): the iterations run again up to there go to metrics.jsonl and "
+                          "TensorBoard, not to W&B again")
         if self._console:
             ret = record.get("episodic_return_mean")
             ret_text = f"return {ret:9.2f} ({record['episodes']} ep)" if ret is not None else "return       n/a"
