@@ -179,8 +179,9 @@ def _check_multinode_run(launcher: str, per_node: int, run_dir: Path, out: str) 
     flat = [s for rank in seeds["seeds_by_rank"] for s in rank]
     assert len(flat) == len(set(flat)) == ranks * 2
 
-    # Only global rank 0 (on node1) writes: its checkpoint notes are the only ones, the manifests
-    # name node1 as the writer, and the run directory holds nothing any other rank could have made.
+    # Only global rank 0 (on node1) writes the checkpoint: its checkpoint notes are the only ones,
+    # the manifests name node1 as the writer, and the run directory holds nothing else any other rank
+    # could have made. Each rank writes only its own per-rank file (RNG state), on its own node.
     notes = [line for line in out.splitlines() if "[hvd_rl] checkpoint " in line]
     assert len(notes) == ITERATIONS // 2 and {_rank_of_line(launcher, n) for n in notes} == {0}, notes
     ckpts = run_dir / "checkpoints"
@@ -188,7 +189,12 @@ def _check_multinode_run(launcher: str, per_node: int, run_dir: Path, out: str) 
     assert [json.loads(m.read_text())["iteration"] for m in manifests] == [2, 4]
     assert {json.loads(m.read_text())["hostname"] for m in manifests} == {"node1"}
     assert sorted(p.name for p in ckpts.iterdir()) == sorted(
-        ["latest.pt"] + [f"ckpt_{i:08d}{ext}" for i in (2, 4) for ext in (".pt", ".json")])
+        ["latest.pt", "ranks"] + [f"ckpt_{i:08d}{ext}" for i in (2, 4) for ext in (".pt", ".json")])
+    assert sorted(p.name for p in (ckpts / "ranks").iterdir()) == sorted(
+        f"rank{r}{ext}" for r in range(ranks) for ext in (".pt", ".json"))
+    rank_manifests = [json.loads((ckpts / "ranks" / f"rank{r}.json").read_text()) for r in range(ranks)]
+    assert [(m["hostname"], m["iteration"]) for m in rank_manifests] == [
+        (NODES[r // per_node], ITERATIONS) for r in range(ranks)]
     assert sorted(p.name for p in run_dir.iterdir()) == sorted(
         ["checkpoints", "config.toml", "env_seeds.jsonl", "episodes.jsonl", "metrics.jsonl", "summary.json"])
     assert {r["world_size"] for r in read_jsonl(run_dir / "metrics.jsonl")} == {ranks}
