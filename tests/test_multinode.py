@@ -191,8 +191,8 @@ def _check_multinode_run(launcher: str, per_node: int, run_dir: Path, out: str) 
     assert sorted(p.name for p in ckpts.iterdir()) == sorted(
         ["latest.pt", "ranks"] + [f"ckpt_{i:08d}{ext}" for i in (2, 4) for ext in (".pt", ".json")])
     assert sorted(p.name for p in (ckpts / "ranks").iterdir()) == sorted(
-        f"rank{r}{ext}" for r in range(ranks) for ext in (".pt", ".json"))
-    rank_manifests = [json.loads((ckpts / "ranks" / f"rank{r}.json").read_text()) for r in range(ranks)]
+        f"rank{r:05d}{ext}" for r in range(ranks) for ext in (".pt", ".json"))
+    rank_manifests = [json.loads((ckpts / "ranks" / f"rank{r:05d}.json").read_text()) for r in range(ranks)]
     assert [(m["hostname"], m["iteration"]) for m in rank_manifests] == [
         (NODES[r // per_node], ITERATIONS) for r in range(ranks)]
     assert sorted(p.name for p in run_dir.iterdir()) == sorted(
