@@ -14,6 +14,10 @@ INSTALL_REQUIRES = [
     "tensorboard>=2.12",
     "matplotlib>=3.7",
     "opencv-python-headless>=4.8",  # Gymnasium's AtariPreprocessing (sync/async Atari backends)
+    # Multi-agent environments (hvd_rl/envs/multiagent.py): PettingZoo's Parallel API, MPE, VMAS
+    "pettingzoo>=1.24",
+    "mpe2>=1.0",
+    "vmas>=1.4",
 ]
 
 setup(

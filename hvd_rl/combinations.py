@@ -16,7 +16,7 @@ import itertools
 from hvd_rl.config import ConfigError, TrainConfig, load_config, validate
 
 OPTIONS: dict[str, list] = {  # first value = the most permissive one
-    "algorithm": ["ppo_discrete", "ppo_continuous", "dqn"],
+    "algorithm": ["ppo_discrete", "ppo_continuous", "dqn", "mappo"],
     "ranks": [1, 2, 3],
     "balance": ["off", "static", "dynamic"],
     "reduction": ["average", "adasum"],
@@ -30,8 +30,13 @@ OPTIONS: dict[str, list] = {  # first value = the most permissive one
 NAMES = list(OPTIONS)
 # The table's options: the matrix's, with fp16 autocast (CUDA only, so the matrix on CPUs leaves it
 # out) and gradient clipping, whose default (ppo.max_grad_norm = 0.5) Adasum refuses.
-TABLE_OPTIONS: dict[str, list] = OPTIONS | {"amp": [*OPTIONS["amp"], "fp16"], "max_grad_norm": [0, 0.5]}
-ENV_IDS = {"ppo_discrete": "CartPole-v1", "ppo_continuous": "Pendulum-v1", "dqn": "CartPole-v1"}
+# IPPO refuses what MAPPO refuses (the matrix runs MAPPO for both: they differ in the critic's input),
+# and the multi-agent algorithms refuse the CNN and PPO's observation and reward normalisation.
+TABLE_OPTIONS: dict[str, list] = OPTIONS | {"algorithm": [*OPTIONS["algorithm"], "ippo"],
+                                            "amp": [*OPTIONS["amp"], "fp16"], "max_grad_norm": [0, 0.5],
+                                            "model_kind": ["auto", "nature_cnn"], "normalize_observations": [False, True]}
+ENV_IDS = {"ppo_discrete": "CartPole-v1", "ppo_continuous": "Pendulum-v1", "dqn": "CartPole-v1",
+           "mappo": "mpe2/simple_spread_v3", "ippo": "mpe2/simple_spread_v3"}
 
 
 def uneven_counts(ranks: int) -> list[int]:
@@ -42,18 +47,23 @@ def option_overrides(values: dict) -> list[str]:
     """The `--set` values that put a run at these option values (`start` and `ranks` are how it
     is launched, not settings). Without a `max_grad_norm` value, a run asking for Adasum turns
     clipping off, the fix validate names."""
-    algorithm = "dqn" if values["algorithm"] == "dqn" else "ppo"
+    algorithm = values["algorithm"] if values["algorithm"] in ("dqn", "mappo", "ippo") else "ppo"
+    section = "dqn" if algorithm == "dqn" else "ppo"  # MAPPO's hyperparameters are PPO's
     sets = [f"algorithm={algorithm}", f"env.id={ENV_IDS[values['algorithm']]}", f"env.backend={values['backend']}",
             f"distributed.balance={values['balance']}", f"distributed.reduction={values['reduction']}",
             f"distributed.compression={values['compression']}", f"distributed.amp={values['amp']}"]
     if values["layout"] == "uneven":
         sets.append(f"distributed.env_counts={uneven_counts(values['ranks'])}")
-    if algorithm == "ppo":
+    if section == "ppo":
         sets.append(f"ppo.backward_passes_per_step={values['backward_passes_per_step']}")
+    if "model_kind" in values:
+        sets.append(f"model.kind={values['model_kind']}")
+    if values.get("normalize_observations"):
+        sets.append("ppo.normalize_observations=true")
     if "max_grad_norm" in values:
-        sets.append(f"{algorithm}.max_grad_norm={values['max_grad_norm']}")
+        sets.append(f"{section}.max_grad_norm={values['max_grad_norm']}")
     elif values["reduction"] == "adasum":
-        sets.append(f"{algorithm}.max_grad_norm=0")
+        sets.append(f"{section}.max_grad_norm=0")
     return sets
 
 

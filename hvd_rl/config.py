@@ -127,6 +127,17 @@ class DQNConfig:
 
 
 @dataclass
+class MultiAgentConfig:
+    """Cooperative multi-agent PPO (algorithm = "mappo" | "ippo", hvd_rl/algorithms/mappo.py) on a
+    multi-agent env.id (hvd_rl/envs/multiagent.py); the PPO hyperparameters come from [ppo]."""
+
+    num_agents: int = 0  # agents per environment (0: the task's default, e.g. 3 for simple_spread)
+    agent_id: bool = True  # a one-hot agent id beside every agent's input (one shared actor)
+    # MAPPO's finding: value targets normalised by running mean/std statistics merged over ranks
+    value_normalization: bool = True
+
+
+@dataclass
 class DistributedConfig:
     reduction: str = "average"  # average | adasum
     # none | fp16 (Horovod's) | powersgd | topk (hvd_rl/runtime/compression.py: error feedback, for slow links)
@@ -201,20 +212,27 @@ class DebugConfig:
 class TrainConfig:
     seed: int = 1  # base seed: every rank and environment derives its own from it
     run_dir: str = "runs/default"  # output directory (--run-dir overrides it)
-    algorithm: str = "ppo"  # ppo (discrete or continuous actions) | dqn
+    # ppo (discrete or continuous actions) | dqn | mappo, ippo (multi-agent: centralised or own critic)
+    algorithm: str = "ppo"
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dqn: DQNConfig = field(default_factory=DQNConfig)
+    multiagent: MultiAgentConfig = field(default_factory=MultiAgentConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     @property
+    def algorithm_section(self) -> str:
+        """The section holding the chosen algorithm's hyperparameters: MAPPO and IPPO are PPO's."""
+        return "ppo" if self.algorithm in MULTIAGENT_ALGORITHMS else self.algorithm
+
+    @property
     def algorithm_config(self) -> Any:
         """The section of the chosen algorithm ([ppo] or [dqn])."""
-        return getattr(self, self.algorithm)
+        return getattr(self, self.algorithm_section)
 
     @property
     def total_timesteps(self) -> int:
@@ -381,7 +399,8 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
 
 
 BACKENDS = ("sync", "async", "ale_vector")
-ALGORITHMS = ("ppo", "dqn")
+ALGORITHMS = ("ppo", "dqn", "mappo", "ippo")
+MULTIAGENT_ALGORITHMS = ("mappo", "ippo")
 AMP_MODES = ("off", "auto", "bf16", "fp16")  # see hvd_rl/runtime/precision.py
 COMPRESSIONS = ("none", "fp16", "powersgd", "topk")  # see hvd_rl/runtime/compression.py
 MODEL_KINDS = ("auto", "nature_cnn", "mlp")
@@ -489,9 +508,9 @@ def config_problems(cfg: TrainConfig, world_size: int | None = None, elastic: bo
         # Horovod's Adasum optimizer steps on each rank's gradient inside the backward hooks.
         if cfg.algorithm in ALGORITHMS:
             clip = cfg.algorithm_config.max_grad_norm
-            default = section_classes()[cfg.algorithm]().max_grad_norm
+            default = section_classes()[cfg.algorithm_section]().max_grad_norm
             need(clip == 0, "distributed.reduction = 'adasum' cannot clip gradients (each rank steps inside "
-                 f"Horovod's backward hooks): set {cfg.algorithm}.max_grad_norm = 0 "
+                 f"Horovod's backward hooks): set {cfg.algorithm_section}.max_grad_norm = 0 "
                  f"(it is {clip}{', the default' if clip == default else ''})")
         need(d.amp != "fp16", "distributed.reduction = 'adasum' does not work with distributed.amp = "
              "'fp16' (loss scaling); use 'bf16' or 'off'")
@@ -510,7 +529,8 @@ def config_problems(cfg: TrainConfig, world_size: int | None = None, elastic: bo
              f"({_show(d.env_counts)}) for a job of {world_size} rank{'' if world_size == 1 else 's'}: "
              "give one count per rank")
     if d.env_counts:
-        need(cfg.algorithm == "ppo", "distributed.env_counts (uneven layouts) needs algorithm 'ppo'")
+        need(cfg.algorithm == "ppo", f"distributed.env_counts (uneven layouts) needs algorithm 'ppo', "
+             f"not {cfg.algorithm!r}")
         need(d.reduction == "average", "distributed.env_counts needs distributed.reduction = 'average' "
              "(Adasum's result is not an average, so ranks cannot be weighted by their share)")
     per_env = p.num_steps // p.num_minibatches if p.num_minibatches > 0 else 0
@@ -531,7 +551,7 @@ def config_problems(cfg: TrainConfig, world_size: int | None = None, elastic: bo
          f"distributed.balance_min_envs must be in [1, env.num_envs], got {d.balance_min_envs}")
     if d.balance != "off":
         need(cfg.algorithm == "ppo", "distributed.balance needs ranks with uneven environment counts, "
-             "which only algorithm 'ppo' supports")
+             f"which only algorithm 'ppo' supports, not {cfg.algorithm!r}")
         need(d.reduction == "average", "distributed.balance needs distributed.reduction = 'average' "
              "(Adasum does not weight ranks by their share)")
     need(d.peer_timeout >= 0, f"distributed.peer_timeout must be >= 0 (0: off), got {d.peer_timeout}")
@@ -555,10 +575,22 @@ def config_problems(cfg: TrainConfig, world_size: int | None = None, elastic: bo
     need(bool(cfg.run_dir.strip()), "run_dir must not be empty")
     need(cfg.seed >= 0, f"seed must be >= 0 (NumPy's and Gymnasium's seeding refuse negative ones), got {cfg.seed}")
 
+    multiagent = cfg.algorithm in MULTIAGENT_ALGORITHMS
+    m = cfg.multiagent
+    need(m.num_agents >= 0, f"multiagent.num_agents must be >= 0 (0: the task's default), got {m.num_agents}")
+    if multiagent:
+        need(e.backend == "sync", f"algorithm {cfg.algorithm!r} steps its environments in the rank's process "
+             f"(VMAS vectorises them itself): env.backend must be 'sync', got {e.backend!r}")
+        need(not (p.normalize_observations or p.normalize_rewards),
+             f"algorithm {cfg.algorithm!r} does not take ppo.normalize_observations or ppo.normalize_rewards "
+             "(its value targets are normalised by multiagent.value_normalization)")
+        need(cfg.model.kind in ("auto", "mlp"), f"algorithm {cfg.algorithm!r} uses MLPs on agents' vector "
+             f"observations: model.kind must be 'auto' or 'mlp', got {cfg.model.kind!r}")
+
     # The env id last: it imports Gymnasium and ale-py, and only matters when the rest is sane.
     from hvd_rl.envs.ids import check_env_id  # local import keeps config importable without gym
 
-    env_problem = check_env_id(e.id, e.backend)
+    env_problem = check_env_id(e.id, e.backend, cfg.algorithm, m.num_agents, e.max_episode_steps)
     if env_problem:
         problems.append(env_problem)
     return problems

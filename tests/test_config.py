@@ -232,14 +232,17 @@ def _probe_values() -> dict[str, list]:
 
 
 def _problems(assignment: dict) -> frozenset[str]:
+    from hvd_rl import combinations
     from hvd_rl.combinations import uneven_counts
-    from hvd_rl.config import config_problems
+    from hvd_rl.config import MULTIAGENT_ALGORITHMS, config_problems
 
     cfg, ranks = TrainConfig(), assignment.get("ranks", 1)
     for path, value in assignment.items():
         if "." in path or path not in ("ranks", "layout"):
             *section, name = path.split(".")
             setattr(getattr(cfg, section[0]) if section else cfg, name, value)
+    if cfg.algorithm in MULTIAGENT_ALGORITHMS:  # as the table runs them: on a multi-agent task
+        cfg.env.id = combinations.ENV_IDS[cfg.algorithm]
     if "layout" in assignment:
         cfg.distributed.env_counts = uneven_counts(ranks)
     return frozenset(config_problems(cfg, world_size=ranks))

@@ -28,7 +28,8 @@ from hvd_rl.config import load_config
 
 CONFIGS = {"ppo_discrete": REPO / "configs" / "cartpole_ppo.toml",
            "ppo_continuous": REPO / "configs" / "cartpole_ppo.toml",  # env.id set to Pendulum by the row
-           "dqn": REPO / "configs" / "cartpole_dqn.toml"}
+           "dqn": REPO / "configs" / "cartpole_dqn.toml",
+           "mappo": REPO / "configs" / "mpe_spread_mappo.toml"}
 STEPS = 16  # PPO steps per env per iteration; the totals below are multiples of every global batch
 FIRST_TOTAL, TOTAL = 192, 384  # a resumed row runs to FIRST_TOTAL, then resumes to TOTAL
 

@@ -20,6 +20,10 @@ def algorithm_class(name: str) -> type[Algorithm]:
         from hvd_rl.algorithms.dqn import DQN
 
         return DQN
+    if name in ("mappo", "ippo"):
+        from hvd_rl.algorithms.mappo import IPPO, MAPPO
+
+        return MAPPO if name == "mappo" else IPPO
     raise UnsupportedSetup(f"unknown algorithm {name!r}")
 
 

@@ -107,6 +107,41 @@ class ActorCritic(nn.Module):
         return policy if self.continuous else policy.argmax(-1)
 
 
+class MultiAgentActorCritic(ActorCritic):
+    """One actor shared by all agents and a critic, each reading its own columns of an agent's
+    input row [actor input | critic input] (hvd_rl/algorithms/mappo.py builds the rows): MAPPO's
+    critic reads the global state, IPPO's (critic_from = 0, rows of the actor input alone) the
+    agent's own observation. One row per agent keeps the PPO learner's minibatches rows of one tensor."""
+
+    def __init__(self, torso: nn.Module, critic_torso: nn.Module, width: int, action_space: gym.Space,
+                 actor_width: int, critic_from: int):
+        super().__init__(torso, width, action_space, input_scale=1.0, critic_torso=critic_torso)
+        self.actor_width, self.critic_from = actor_width, critic_from
+
+    def forward(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.precision.autocast():
+            x = self._prepare(rows)
+            policy = self.actor(self.torso(x[..., :self.actor_width]))
+            value = self.critic(self.critic_torso(x[..., self.critic_from:])).squeeze(-1)
+        return policy.to(self.float_dtype), value.to(self.float_dtype)
+
+    def value(self, rows: torch.Tensor) -> torch.Tensor:
+        with self.precision.autocast():
+            value = self.critic(self.critic_torso(self._prepare(rows)[..., self.critic_from:])).squeeze(-1)
+        return value.to(self.float_dtype)
+
+
+def build_multiagent_model(cfg: ModelConfig, actor_width: int, critic_width: int, action_space: gym.Space,
+                           centralised: bool) -> MultiAgentActorCritic:
+    """MLP actor on `actor_width` columns; MLP critic on the next `critic_width` (centralised) or
+    on the actor's columns."""
+    _check_spaces(gym.spaces.Box(-np.inf, np.inf, (actor_width,), np.float32), action_space, continuous_ok=True)
+    torso, width = mlp(actor_width, cfg.hidden_sizes)
+    critic_torso, _ = mlp(critic_width if centralised else actor_width, cfg.hidden_sizes)
+    return MultiAgentActorCritic(torso, critic_torso, width, action_space, actor_width,
+                                 actor_width if centralised else 0)
+
+
 class QNetwork(nn.Module):
     """Action values on a torso (CleanRL's dqn / dqn_atari networks)."""
 

@@ -143,3 +143,38 @@ class ReturnScaler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.normalizer.load_state_dict(state)
+
+
+class ValueNormalizer:
+    """MAPPO's value normalisation (Yu et al., 2022): the critic predicts value targets in units of
+    their running mean and std, so rewards of any scale give the critic targets of order one.
+    Every rank's targets are merged in rank order once per iteration (identical statistics on every
+    rank); the variance is floored at 1e-2 as in MAPPO's ValueNorm."""
+
+    MIN_VAR = 1e-2
+
+    def __init__(self) -> None:
+        self.stats = Moments(0.0, np.zeros(()), np.zeros(()))
+
+    def _mean_std(self) -> tuple[float, float]:
+        if self.stats.count == 0:
+            return 0.0, 1.0
+        return float(self.stats.mean), float(np.sqrt(max(float(self.stats.var), self.MIN_VAR)))
+
+    def update(self, targets: np.ndarray, name: str) -> None:
+        """Collective: adds every rank's value targets (the counted samples only)."""
+        self.stats = self.stats.merge(merge_over_ranks(Moments.of(np.asarray(targets, np.float64)), name))
+
+    def normalize(self, values: Any) -> Any:
+        mean, std = self._mean_std()
+        return (values - mean) / std
+
+    def denormalize(self, values: Any) -> Any:
+        mean, std = self._mean_std()
+        return values * std + mean
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.stats.to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stats = Moments.from_dict(state)

@@ -93,6 +93,9 @@ class Batch:
     values: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
+    # 1 for a sample that counts, 0 for one that does not (a dead agent's step, hvd_rl/algorithms/mappo.py):
+    # the loss is then the mean over the counted samples of all ranks. None: every sample counts.
+    mask: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.actions.shape[0]
@@ -111,47 +114,58 @@ class LossTerms:
 
 def ppo_loss(new_logprobs: torch.Tensor, entropy: torch.Tensor, new_values: torch.Tensor,
              old_logprobs: torch.Tensor, old_values: torch.Tensor, advantages: torch.Tensor,
-             returns: torch.Tensor, cfg: PPOConfig) -> LossTerms:
+             returns: torch.Tensor, cfg: PPOConfig, mask: torch.Tensor | None = None,
+             weights: torch.Tensor | None = None) -> LossTerms:
     """CleanRL's PPO loss: clipped surrogate, (optionally clipped) value loss, entropy bonus.
 
-    `advantages` arrive already normalised when cfg.norm_adv is set.
+    `advantages` arrive already normalised when cfg.norm_adv is set. With a `mask`, `total` is
+    the sum of the samples' terms times `weights` (each counted sample's share of the mean over
+    all ranks' counted samples, hence 0 for the others); the terms reported beside it are means
+    over this part's counted samples.
     """
     logratio = new_logprobs - old_logprobs
     ratio = logratio.exp()
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return x.mean() if mask is None else (x * mask).sum() / mask.sum().clamp(min=1.0)
+
     with torch.no_grad():
-        approx_kl = ((ratio - 1) - logratio).mean()  # the low-variance k3 estimator
-        old_approx_kl = (-logratio).mean()
-        clipfrac = ((ratio - 1.0).abs() > cfg.clip_coef).float().mean()
-    pg_loss = torch.max(-advantages * ratio,
-                        -advantages * torch.clamp(ratio, 1 - cfg.clip_coef, 1 + cfg.clip_coef)).mean()
+        approx_kl = mean((ratio - 1) - logratio)  # the low-variance k3 estimator
+        old_approx_kl = mean(-logratio)
+        clipfrac = mean(((ratio - 1.0).abs() > cfg.clip_coef).to(ratio.dtype))
+    pg = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cfg.clip_coef, 1 + cfg.clip_coef))
     if cfg.clip_vloss:
         v_unclipped = (new_values - returns) ** 2
         v_clipped = old_values + torch.clamp(new_values - old_values, -cfg.clip_coef, cfg.clip_coef)
-        v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - returns) ** 2).mean()
+        v = 0.5 * torch.max(v_unclipped, (v_clipped - returns) ** 2)
     else:
-        v_loss = 0.5 * ((new_values - returns) ** 2).mean()
-    entropy_mean = entropy.mean()
-    total = pg_loss - cfg.ent_coef * entropy_mean + cfg.vf_coef * v_loss
-    return LossTerms(total, pg_loss, v_loss, entropy_mean, approx_kl, old_approx_kl, clipfrac)
+        v = 0.5 * ((new_values - returns) ** 2)
+    if mask is None:
+        pg_loss, v_loss, entropy_mean = pg.mean(), v.mean(), entropy.mean()
+        total = pg_loss - cfg.ent_coef * entropy_mean + cfg.vf_coef * v_loss
+        return LossTerms(total, pg_loss, v_loss, entropy_mean, approx_kl, old_approx_kl, clipfrac)
+    total = (weights * (pg - cfg.ent_coef * entropy + cfg.vf_coef * v)).sum()
+    with torch.no_grad():
+        return LossTerms(total, mean(pg), mean(v), mean(entropy), approx_kl, old_approx_kl, clipfrac)
 
 
 # ---- the update epochs -------------------------------------------------------------------------
 
-def advantage_statistics(advantages: torch.Tensor, plan: list[list[np.ndarray]],
-                         global_stats: bool) -> np.ndarray:
-    """(mean, std) of the advantages of every minibatch of every epoch, shape [epochs, M, 2].
-
-    With global_stats the sums of all ranks' shares are combined in ONE allreduce for the whole
-    update (not one per minibatch): the minibatch layout of every epoch is known in advance.
-    std is the unbiased one, like torch.std in CleanRL.
-    """
+def minibatch_sums(advantages: torch.Tensor, plan: list[list[np.ndarray]],
+                   mask: torch.Tensor | None = None) -> np.ndarray:
+    """This rank's (sum, sum of squares, count) of the counted advantages of every minibatch of
+    every epoch, shape [epochs, M, 3]: the minibatch layout of every epoch is known in advance."""
     adv = advantages.detach().double().cpu().numpy()
-    sums = np.array([[[adv[mb].sum(), (adv[mb] ** 2).sum(), float(len(mb))] for mb in epoch]
-                     for epoch in plan], dtype=np.float64)
-    if global_stats:
-        sums = dist.allreduce_sum(sums.reshape(-1), name="ppo.advantage_stats").reshape(sums.shape)
+    weight = np.ones_like(adv) if mask is None else mask.detach().double().cpu().numpy()
+    return np.array([[[(adv[mb] * weight[mb]).sum(), (adv[mb] ** 2 * weight[mb]).sum(), weight[mb].sum()]
+                      for mb in epoch] for epoch in plan], dtype=np.float64)
+
+
+def advantage_statistics(sums: np.ndarray) -> np.ndarray:
+    """(mean, std) of the advantages from minibatch_sums, shape [epochs, M, 2]; std is the
+    unbiased one, like torch.std in CleanRL."""
     total, total_sq, count = sums[..., 0], sums[..., 1], sums[..., 2]
-    mean = total / count
+    mean = total / np.maximum(count, 1.0)
     var = np.maximum(total_sq - count * mean * mean, 0.0) / np.maximum(count - 1.0, 1.0)
     return np.stack([mean, np.sqrt(var)], axis=-1)
 
@@ -211,7 +225,18 @@ class PPOLearner:
         plan = [minibatch_indices(self.seed, iteration, epoch, first_global_env, local_envs,
                                   num_steps, cfg.num_minibatches)
                 for epoch in range(cfg.update_epochs)]
-        adv_stats = advantage_statistics(batch.advantages, plan, cfg.global_advantage_norm) if cfg.norm_adv else None
+        # Statistics of all ranks' shares of every minibatch of every epoch in ONE allreduce for the
+        # whole update: the advantages' (global normalisation) and, with a mask, the counted samples.
+        adv_stats, counted = None, None
+        if cfg.norm_adv or batch.mask is not None:
+            local = minibatch_sums(batch.advantages, plan, batch.mask)
+            total = local
+            if cfg.global_advantage_norm or batch.mask is not None:
+                total = dist.allreduce_sum(local.reshape(-1), name="ppo.advantage_stats").reshape(local.shape)
+            if cfg.norm_adv:
+                adv_stats = advantage_statistics(total if cfg.global_advantage_norm else local)
+            counted = total[..., 2]
+        world = dist.world_size()
         # Per-epoch sums over minibatches, each term weighted by the local sample count:
         # policy loss, value loss, entropy, approx KL, old approx KL, clipfrac, samples.
         sums = torch.zeros(7, dtype=torch.float64, device=self.device)
@@ -234,14 +259,22 @@ class PPOLearner:
                     idx = mb[part]
                     policy, new_values = self.model(take_rows(batch.obs, idx))
                     new_logprobs, entropy = self.model.log_prob_entropy(policy, batch.actions[idx])
+                    mask = weights = None
+                    if batch.mask is not None:
+                        # Horovod averages over ranks: world / counted makes the sum the global mean.
+                        mask = batch.mask[idx]
+                        weights = mask * (world / max(float(counted[epoch, mb_index]), 1.0))
                     terms = ppo_loss(new_logprobs, entropy, new_values, batch.logprobs[idx],
-                                     batch.values[idx], adv[part], batch.returns[idx], cfg)
-                    loss = terms.total * (share / micro) if share != 1.0 else terms.total / micro
+                                     batch.values[idx], adv[part], batch.returns[idx], cfg, mask, weights)
+                    if mask is not None:
+                        loss = terms.total
+                    else:
+                        loss = terms.total * (share / micro) if share != 1.0 else terms.total / micro
                     if self.loss_hook is not None:
                         loss = self.loss_hook(loss)
                     (self.scaler.scale(loss) if self.scaler else loss).backward()
                     with torch.no_grad():
-                        weight = len(idx)
+                        weight = len(idx) if mask is None else float(mask.sum())
                         sums += torch.stack([terms.policy, terms.value, terms.entropy, terms.approx_kl,
                                              terms.old_approx_kl, terms.clipfrac,
                                              torch.ones((), device=self.device)]).double() * weight
@@ -280,12 +313,12 @@ class PPOLearner:
                         self.optimizer.step()
             epochs_run += 1
             kl_weighted, samples, stop_votes = dist.wait_sum(control)
-            approx_kl = float(kl_weighted / samples)
+            approx_kl = float(kl_weighted / max(samples, 1.0))
             stop = stop_votes > 0
             # Every rank got the same sums, so every rank takes the same branch.
             if stop or (cfg.target_kl > 0 and approx_kl > cfg.target_kl):
                 break
-        local_means = (sums[:6] / sums[6]).tolist()
+        local_means = (sums[:6] / sums[6].clamp(min=1.0)).tolist()
         elapsed = time.perf_counter() - t_start
         blocked = t_sync + (dist.CLOCK.seconds - blocked_before)
         dist.CLOCK.add(gradient_allreduces, t_sync)
@@ -309,7 +342,7 @@ class PPO(Algorithm):
                  observation_space: gym.Space, action_space: gym.Space):
         super().__init__(cfg, device, threads, observation_space, action_space)
         p, d = cfg.ppo, cfg.distributed
-        self.model = build_model(cfg.model, observation_space, action_space).to(device)
+        self.model = self._build_model().to(device)
         self.precision = precision_for(d.amp, device, convolutional=len(observation_space.shape) == 3)
         self.precision_mode = self.precision.mode
         self.model.precision = self.precision
@@ -325,6 +358,9 @@ class PPO(Algorithm):
         self.reward_scaler = ReturnScaler(0, p.gamma, p.reward_clip) if p.normalize_rewards else None
         self.collector: RolloutCollector | None = None
         self.buffer: RolloutBuffer | None = None
+
+    def _build_model(self) -> nn.Module:
+        return build_model(self.cfg.model, self.observation_space, self.action_space)
 
     # ---- identity and state ----
 
@@ -419,13 +455,18 @@ class PPO(Algorithm):
 
     # ---- one iteration ----
 
-    def iterate(self, context: IterationContext) -> IterationReport:
-        cfg, p = self.cfg, self.cfg.ppo
+    def _anneal_learning_rate(self, context: IterationContext) -> float:
+        p = self.cfg.ppo
         lr = p.learning_rate
         if p.anneal_lr:  # by global step, so a resume with another rank count keeps the schedule
             lr *= max(0.0, 1.0 - context.global_step / (p.anneal_timesteps or p.total_timesteps))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        return lr
+
+    def iterate(self, context: IterationContext) -> IterationReport:
+        cfg, p = self.cfg, self.cfg.ppo
+        lr = self._anneal_learning_rate(context)
         steps, layout, rank = context.env_steps, context.layout, context.rank
 
         last_value, times, episodes = self.collector.collect(steps)

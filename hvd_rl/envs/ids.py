@@ -25,8 +25,21 @@ def is_atari(env_id: str) -> bool:
     return entry.startswith("ale_py")
 
 
-def check_env_id(env_id: str, backend: str) -> str | None:
-    """One-line problem description for an env id that cannot be used, else None."""
+def check_env_id(env_id: str, backend: str, algorithm: str = "ppo", num_agents: int = 0,
+                 max_steps: int = 0) -> str | None:
+    """One-line problem description for an env id that cannot be used, else None. Multi-agent
+    ids ("mpe2/...", "vmas/...") are for the multi-agent algorithms only, and the others not."""
+    from hvd_rl.envs.multiagent import check_multiagent_id, is_multiagent_id
+
+    multiagent_algorithm = algorithm in ("mappo", "ippo")
+    if is_multiagent_id(env_id):
+        if not multiagent_algorithm:
+            return (f"env.id {env_id!r} is a multi-agent environment: algorithm must be 'mappo' or 'ippo', "
+                    f"got {algorithm!r}")
+        return check_multiagent_id(env_id, num_agents, max_steps)
+    if multiagent_algorithm:
+        return (f"algorithm {algorithm!r} needs a multi-agent env.id (mpe2/<task> or vmas/<scenario>, "
+                f"e.g. mpe2/simple_spread_v3), got {env_id!r}")
     register_ale()
     try:
         gym.spec(env_id)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hvd_rl.config import ConfigError
+from hvd_rl.config import MULTIAGENT_ALGORITHMS, ConfigError
 from hvd_rl.envs.vector import RankEnvs
 from hvd_rl.policy.trained import Trained, checkpoint_config, load_trained, single_process_env
 
@@ -76,6 +76,9 @@ def export_checkpoint(path: str | Path, out: str | Path, fmt: str = "onnx",
     if fmt not in FORMATS:
         raise ConfigError(f"--format must be one of {FORMATS}, got {fmt!r}")
     cfg, state = checkpoint_config(path, overrides)
+    if cfg.algorithm in MULTIAGENT_ALGORITHMS:
+        raise ConfigError(f"export of a multi-agent checkpoint ({cfg.algorithm}) is not built yet; "
+                          "`hvd-rl evaluate` without --video/--gif evaluates it")
     envs = RankEnvs(single_process_env(cfg.env, 1), threads=1)
     try:
         trained = load_trained(path, envs, cfg, state)

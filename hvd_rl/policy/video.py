@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from hvd_rl.config import ConfigError
+from hvd_rl.config import MULTIAGENT_ALGORITHMS, ConfigError
 from hvd_rl.envs.vector import RankEnvs
 from hvd_rl.policy.trained import checkpoint_config, load_trained, single_process_env
 
@@ -121,6 +121,9 @@ def record_checkpoint(path: str | Path, video: str | Path | None = None, gif: st
     if episodes <= 0 or max_frames <= 1:
         raise ConfigError(f"--episodes must be positive and --max-frames > 1, got {episodes} and {max_frames}")
     cfg, state = checkpoint_config(path, overrides)
+    if cfg.algorithm in MULTIAGENT_ALGORITHMS:
+        raise ConfigError(f"recording of a multi-agent checkpoint ({cfg.algorithm}) is not built yet; "
+                          "`hvd-rl evaluate` without --video/--gif evaluates it")
     env_cfg = single_process_env(cfg.env, 1)
     if env_cfg.backend != "sync":
         note(f"env.backend {env_cfg.backend!r} cannot render; recording with 'sync' (the same game semantics: "

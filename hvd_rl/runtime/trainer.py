@@ -38,6 +38,7 @@ from hvd_rl import __version__
 from hvd_rl.algorithms import build_algorithm
 from hvd_rl.algorithms.base import Algorithm, IterationContext, NonFiniteLossError  # noqa: F401 - cli's names
 from hvd_rl.config import TrainConfig
+from hvd_rl.envs.multiagent import describe as describe_multiagent, is_multiagent_id
 from hvd_rl.envs.vector import EnvLayout, RankEnvs, env_seeds
 from hvd_rl.runtime import compression, elastic, iteration_metrics, resume, summary, watchdog
 from hvd_rl.runtime import distributed as dist
@@ -79,7 +80,11 @@ def _rank_seed(base: int, seed_offset: int, rank: int) -> int:
 
 
 def probe_spaces(cfg: TrainConfig):
-    """Observation and action spaces of the configured environment (one env, no collective)."""
+    """Observation and action spaces of the configured environment (one env, no collective); for
+    a multi-agent environment, one agent's."""
+    if is_multiagent_id(cfg.env.id):
+        spec = describe_multiagent(cfg.env.id, cfg.multiagent.num_agents, cfg.env.max_episode_steps)
+        return spec.observation_space, spec.action_space
     env_cfg = replace(cfg.env, num_envs=1, backend="sync" if cfg.env.backend == "async" else cfg.env.backend)
     probe = RankEnvs(env_cfg, threads=1)
     try:

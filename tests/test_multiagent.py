@@ -1,0 +1,209 @@
+"""Multi-agent training (MAPPO, IPPO): environments as [envs, agents] arrays, dead agents masked,
+exact N-rank math, and runs on real ranks with checkpoints, preemption and resume."""
+import json
+import os
+import signal
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from pettingzoo import ParallelEnv
+
+from conftest import BIN, PYTHON, REPO, check, finish, mpirun_cmd, rank_pid, read_jsonl, run, start, train_cmd, \
+    wait_for_iterations
+from hvd_rl.algorithms.models import build_multiagent_model
+from hvd_rl.algorithms.multiagent_rollout import InputRows, MultiAgentBuffer, MultiAgentCollector
+from hvd_rl.algorithms.ppo import compute_gae
+from hvd_rl.config import ModelConfig, load_config, validate, ConfigError
+from hvd_rl.envs.multiagent import ParallelEnvVector
+
+WORKERS = REPO / "tests" / "workers"
+SPREAD = REPO / "configs" / "mpe_spread_mappo.toml"
+VMAS = REPO / "configs" / "vmas_navigation_mappo.toml"
+SMALL = ["logging.tensorboard=false", "env.num_envs=2", "ppo.num_steps=10", "ppo.num_minibatches=2",
+         "ppo.update_epochs=2"]
+PREEMPTED = 75
+
+
+class DyingAgents(ParallelEnv):
+    """A real PettingZoo Parallel env whose agents end at different steps: agent i terminates after
+    LIFETIMES[i] steps (reward 1 a step while alive); the episode ends when the last one does."""
+
+    metadata = {"name": "dying_agents_v0"}
+    LIFETIMES = (5, 2, 3)
+
+    def __init__(self):
+        self.possible_agents = [f"agent_{i}" for i in range(3)]
+        self._box = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
+        self.t = 0
+
+    def observation_space(self, agent):
+        return self._box
+
+    def action_space(self, agent):
+        return gym.spaces.Discrete(2)
+
+    def _obs(self):
+        return {a: np.array([self.t, self.possible_agents.index(a)], np.float32) for a in self.agents}
+
+    def reset(self, seed=None, options=None):
+        self.agents, self.t = list(self.possible_agents), 0
+        return self._obs(), {a: {} for a in self.agents}
+
+    def step(self, actions):
+        assert set(actions) == set(self.agents), "actions must be for the live agents only"
+        self.t += 1
+        rewards = {a: 1.0 for a in self.agents}
+        terms = {a: self.t >= self.LIFETIMES[self.possible_agents.index(a)] for a in self.agents}
+        obs = self._obs()
+        self.agents = [a for a in self.agents if not terms[a]]
+        return obs, rewards, terms, {a: False for a in terms}, {a: {} for a in terms}
+
+
+def test_agents_that_die_early_are_not_stepped_and_their_env_resets_when_all_are_done():
+    envs = ParallelEnvVector(DyingAgents, 2)
+    obs, state, alive = envs.reset([1, 2])
+    assert obs.shape == (2, 3, 2) and state.shape == (2, 6) and alive.all()  # state: observations joined
+    alive_seen, episodes = [], []
+    for _ in range(6):
+        result = envs.step(np.zeros((2, 3), np.int64))
+        alive_seen.append(result.alive[0].tolist())
+        episodes += result.episodes
+    # agent_1 dies after 2 steps, agent_2 after 3, agent_0 after 5: then the env resets (all alive)
+    assert alive_seen[:5] == [[True, True, True], [True, False, True], [True, False, False],
+                              [True, False, False], [True, True, True]]
+    assert len(episodes) == 2 and episodes[0].length == 5 and episodes[0].agent_returns == [5.0, 2.0, 3.0]
+    assert episodes[0].team_return == pytest.approx(10 / 3)
+
+
+def test_dead_agents_are_masked_and_nothing_bootstraps_through_them():
+    """The collector stores a dead agent's steps with mask 0, reward 0 and `terminated`, so that
+    GAE restarts at its next episode; the agent's last live step is a terminal (no bootstrap)."""
+    envs = ParallelEnvVector(DyingAgents, 1)
+    rows = InputRows(envs.spec, agent_id=True, centralised=True)
+    model = build_multiagent_model(ModelConfig(hidden_sizes=[8]), rows.actor_width, rows.critic_width,
+                                   envs.spec.action_space, centralised=True)
+    buffer = MultiAgentBuffer(6, 1, 3, rows.width, envs.spec.action_space, torch.device("cpu"))
+    collector = MultiAgentCollector(envs, model, rows, buffer, torch.device("cpu"), [3], value_norm=None)
+    last_value, _, episodes = collector.collect(6)
+    mask = buffer.mask[:, 0].T  # [agent, step]
+    assert mask.tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 1], [1, 1, 1, 0, 0, 1]]
+    rewards = buffer.rewards[:, 0].T
+    assert (rewards == mask).all()  # 1 a live step, 0 a dead one
+    # agent_1: its 2nd step is its last (terminated), steps 3-5 are dead (terminated, no reward)
+    assert buffer.terminated[:, 0, 1].tolist() == [0, 1, 1, 1, 1, 0]
+    gamma, lam = 0.9, 0.8
+    advantages, _ = compute_gae(buffer.rewards.reshape(6, 3), buffer.values.reshape(6, 3),
+                                buffer.terminated.reshape(6, 3), buffer.truncated.reshape(6, 3),
+                                buffer.bootstrap_values.reshape(6, 3), last_value.reshape(3), gamma, lam)
+    values = buffer.values.reshape(6, 3)
+    # the death step: reward minus value, nothing from the steps after it
+    assert advantages[1, 1].item() == pytest.approx(1.0 - values[1, 1].item(), abs=1e-6)
+    step0 = 1.0 + gamma * values[1, 1] - values[0, 1] + gamma * lam * advantages[1, 1]
+    assert advantages[0, 1].item() == pytest.approx(step0.item(), abs=1e-6)
+    assert len(episodes.team_returns) == 1 and episodes.agent_returns[0] == [5.0, 2.0, 3.0]
+
+
+def _update(tmp_path, np_, variant):
+    out = tmp_path / f"{np_}-{variant}.pt"
+    check(run(mpirun_cmd(np_, PYTHON, WORKERS / "multiagent_equivalence.py", out, variant), timeout=120))
+    return torch.load(out, weights_only=True)
+
+
+def _max_diff(a, b):
+    return max((a["params"][k] - b["params"][k]).abs().max().item() for k in a["params"])
+
+
+# As in tests/test_distributed.py: float64, where N ranks and one process differ by the order of
+# sums alone (~1e-12 after Adam's amplification at most); a real error in the math is > 1e-4.
+EXACT = 1e-8
+
+
+def test_two_ranks_with_dead_agents_equal_one_process(tmp_path):
+    """The ranks count different numbers of live agents (rank 0's envs have more dead ones): each
+    rank's masked loss is its share of the mean over every rank's live samples, so 2 ranks make
+    exactly the 1-process update; counting the dead agents' rows (the control) does not."""
+    one = _update(tmp_path, 1, "masked")
+    two = _update(tmp_path, 2, "masked")
+    assert _max_diff(one, two) < EXACT and abs(one["kl"] - two["kl"]) < EXACT
+    assert _max_diff(one, {"params": one["initial"]}) > 1e-3  # it did learn
+    unmasked = _update(tmp_path, 2, "unmasked")
+    assert _max_diff(two, unmasked) > 1e-4
+
+
+@pytest.mark.parametrize("sets, fragment", [
+    (["algorithm=ppo"], "is a multi-agent environment: algorithm must be 'mappo' or 'ippo'"),
+    (["algorithm=dqn"], "is a multi-agent environment: algorithm must be 'mappo' or 'ippo'"),
+    (["env.id=CartPole-v1"], "needs a multi-agent env.id"),
+    (["env.id=mpe2/simple_nothing_v3"], "mpe2 has no task 'simple_nothing_v3'"),
+    (["env.id=vmas/nothing"], "VMAS has no scenario 'nothing'"),
+    (["env.id=mpe2/simple_adversary_v3", "multiagent.num_agents=0"], "different observation or action spaces"),
+    (["ppo.normalize_observations=true"], "does not take ppo.normalize_observations"),
+    (["distributed.env_counts=[1, 2]"], "needs algorithm 'ppo', not 'mappo'"),
+    (["distributed.balance=static"], "which only algorithm 'ppo' supports, not 'mappo'"),
+    (["env.backend=async"], "env.backend must be 'sync'"),
+])
+def test_combinations_multiagent_cannot_serve_are_refused(sets, fragment):
+    with pytest.raises(ConfigError, match="invalid configuration") as err:
+        validate(load_config(SPREAD, sets), world_size=2)
+    assert fragment in str(err.value)
+
+
+def test_refused_multiagent_config_exits_2_on_every_rank_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run(mpirun_cmd(2, *train_cmd(run_dir, "env.id=mpe2/simple_adversary_v3", "multiagent.num_agents=0",
+                                          config=SPREAD)), timeout=120)
+    assert result.returncode == 2, result.stdout[-3000:]
+    # the same message on every rank, printed once for all (as for any refused config)
+    lines = [line for line in result.stdout.splitlines() if "different observation or action spaces" in line]
+    assert len(lines) == 1 and lines[0].startswith("hvd-rl: error (all 2 ranks): invalid configuration: env.id")
+    assert "Traceback" not in result.stdout
+    assert not run_dir.exists()
+
+
+def test_mappo_preempted_and_resumed_continues_to_exactly_total_timesteps(tmp_path):
+    """MPE simple_spread on 2 ranks: SIGTERM on rank 1 mid-run checkpoints every rank and exits 75;
+    `--resume auto` continues to exactly total_timesteps with identical parameters, one metrics
+    row per iteration, per-agent returns logged."""
+    run_dir = tmp_path / "run"
+    per_iteration = 2 * 2 * 10  # ranks x envs x steps
+    total = per_iteration * 30
+    sets = [*SMALL, f"ppo.total_timesteps={total}", "checkpoint.every=100", "debug.iteration_sleep=0.2"]
+    proc = start(mpirun_cmd(2, *train_cmd(run_dir, *sets, config=SPREAD)))
+    wait_for_iterations(run_dir, 3, proc, timeout=120)
+    os.kill(rank_pid(str(run_dir), 1), signal.SIGTERM)
+    code, out = finish(proc, timeout=60)
+    assert code == PREEMPTED, out[-3000:]
+    stopped = json.loads((run_dir / "preempted.json").read_text())["iteration"]
+    assert stopped < 30
+    out = check(run(mpirun_cmd(2, *train_cmd(run_dir, *sets[:-1], config=SPREAD, extra=("--resume", "auto"))),
+                    timeout=180))
+    assert f"ckpt_{stopped:08d}.pt" in out
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == list(range(1, 31))
+    assert rows[-1]["global_step"] == total
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["parameters_identical"] and summary["algorithm"] == "mappo"
+    episodes = [r for r in rows if r["episodes"]]
+    assert episodes and all(r["return_agent_0"] is not None and r["episodic_length_mean"] == 25 for r in episodes)
+    # the shared actor alone plays fresh episodes, 2 per environment
+    result = json.loads(check(run([BIN / "hvd-rl", "evaluate", "--checkpoint", run_dir / "checkpoints" / "latest.pt",
+                                   "--episodes", "4", "--num-envs", "2"], timeout=120)).splitlines()[-1])
+    assert result["episodes"] == 4 and [len(r) for r in result["returns_by_env"]] == [2, 2]
+    assert result["agents"] == ["agent_0", "agent_1", "agent_2"] and len(result["mean_return_by_agent"]) == 3
+
+
+def test_ippo_on_vmas_trains_on_two_ranks(tmp_path):
+    """VMAS navigation (continuous actions, one torch simulator per rank), IPPO's own-observation
+    critic: the run reaches total_timesteps with identical parameters and per-episode collisions."""
+    run_dir = tmp_path / "run"
+    total = 2 * 8 * 20 * 3
+    check(run(mpirun_cmd(2, *train_cmd(run_dir, "algorithm=ippo", "logging.tensorboard=false", "env.num_envs=8",
+                                       "ppo.num_steps=20", "ppo.num_minibatches=2", "ppo.update_epochs=2",
+                                       "env.max_episode_steps=20", f"ppo.total_timesteps={total}", config=VMAS)),
+              timeout=180))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["parameters_identical"] and summary["global_step"] == total and summary["algorithm"] == "ippo"
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert all(r["episodes"] == 16 and r["collisions_per_episode"] is not None for r in rows)
