@@ -14,10 +14,12 @@ INSTALL_REQUIRES = [
     "tensorboard>=2.12",
     "matplotlib>=3.7",
     "opencv-python-headless>=4.8",  # Gymnasium's AtariPreprocessing (sync/async Atari backends)
-    # Multi-agent environments (hvd_rl/envs/multiagent.py): PettingZoo's Parallel API, MPE, VMAS
+    # Multi-agent environments (hvd_rl/envs/multiagent.py): PettingZoo's Parallel API, MPE, VMAS,
+    # highway-env's intersection (cooperating vehicles)
     "pettingzoo>=1.24",
     "mpe2>=1.0",
     "vmas>=1.4",
+    "highway-env>=1.10",
 ]
 
 setup(
@@ -30,11 +32,12 @@ setup(
     # hypothesis: tests/test_config_fuzz.py; allpairspy: tests/test_option_matrix.py;
     # jsonschema, kubernetes-validate (Kubernetes' own schemas), botocore (the AWS Batch API's
     # model): tests/test_deploy.py, offline
-    # tools: W&B tracking, videos of the agent (imageio + its ffmpeg; pygame draws classic control),
+    # tools: W&B tracking, videos of the agent (imageio + its ffmpeg; pygame-ce draws classic control:
+    # mpe2 and highway-env need pygame-ce, which installs the same `pygame` module as pygame),
     # ONNX export (onnxscript: torch.onnx's exporter) and its check (onnxruntime)
     extras_require={"test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6.80", "allpairspy>=2.5",
                              "jsonschema>=4.18", "kubernetes-validate>=1.30", "botocore>=1.34"],
-                    "tools": ["wandb>=0.19", "imageio>=2.34", "imageio-ffmpeg>=0.5", "pygame>=2.5",
+                    "tools": ["wandb>=0.19", "imageio>=2.34", "imageio-ffmpeg>=0.5", "pygame-ce>=2.3",
                               "onnx>=1.17", "onnxscript>=0.2", "onnxruntime>=1.20"],
                     "docs": ["sphinx>=8", "myst-parser>=4", "furo>=2024.8"]},
     entry_points={"console_scripts": ["hvd-rl=hvd_rl.cli:main"]},

@@ -207,3 +207,100 @@ def test_ippo_on_vmas_trains_on_two_ranks(tmp_path):
     assert summary["parameters_identical"] and summary["global_step"] == total and summary["algorithm"] == "ippo"
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert all(r["episodes"] == 16 and r["collisions_per_episode"] is not None for r in rows)
+
+
+# ---- cooperating vehicles: highway-env's intersection ---------------------------------------------
+
+INTERSECTION = REPO / "configs" / "intersection_mappo.toml"
+
+
+def test_numpy_kinematics_is_highway_envs_own_observation():
+    """The numpy observation gives exactly what highway-env's pandas KinematicObservation gives,
+    for every vehicle, over steps with crashes and new traffic."""
+    from highway_env.envs.common.observation import KinematicObservation
+
+    from hvd_rl.envs.intersection import IntersectionParallelEnv
+
+    env = IntersectionParallelEnv(4, 13)
+    env.reset(seed=3)
+    rng = np.random.default_rng(0)
+    compared = 0
+    for _ in range(40):
+        if not env.agents:
+            env.reset()
+        env.step({a: int(rng.integers(0, 3)) for a in env.agents})
+        for observation in env.env.observation_type.agents_observation_types:
+            ours, theirs = observation.observe(), KinematicObservation.observe(observation)
+            assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
+            compared += int(theirs[:, 0].sum())  # vehicles seen
+    assert compared > 40 * 4 * 3  # a busy intersection, not empty observations
+
+
+def test_intersection_vehicles_end_one_by_one_and_share_the_team_reward():
+    """A crashed vehicle is done while the others drive on (highway-env alone would end the
+    episode); every agent gets the same reward; the rates count each vehicle once."""
+    from hvd_rl.envs.intersection import IntersectionParallelEnv
+
+    env = IntersectionParallelEnv(4, 13)
+    partial_ends = 0
+    for seed in range(12):
+        env.reset(seed=seed)
+        crashed, arrived = set(), set()
+        while env.agents:
+            acting = list(env.agents)
+            obs, rewards, terms, truncs, _ = env.step({a: 2 for a in acting})  # everyone: faster
+            assert set(rewards) == set(acting) and len(set(rewards.values())) == 1
+            for a in acting:
+                vehicle = env.env.controlled_vehicles[env.possible_agents.index(a)]
+                if terms[a]:
+                    (crashed if vehicle.crashed else arrived).add(a)
+            if any(terms.values()) and env.agents:
+                partial_ends += 1
+                assert not set(env.agents) & (crashed | arrived)
+        stats = env.episode_stats()
+        assert stats == {"collision_rate": len(crashed) / 4, "arrival_rate": len(arrived) / 4}
+    assert partial_ends > 0
+
+
+def test_intersection_mappo_trains_on_two_ranks_records_every_vehicle_and_exports_the_shared_actor(tmp_path):
+    """Two ranks train a few iterations (collision and arrival rates logged); the video shows the
+    whole scene, moving; the ONNX actor takes [N, vehicles, D] observations and gives the trained
+    actor's logits for every vehicle."""
+    onnxruntime = pytest.importorskip("onnxruntime") if not os.environ.get("CI") else __import__("onnxruntime")
+    run_dir = tmp_path / "run"
+    total = 2 * 2 * 16 * 2
+    check(run(mpirun_cmd(2, *train_cmd(run_dir, "logging.tensorboard=false", "env.num_envs=2", "ppo.num_steps=16",
+                                       "ppo.update_epochs=2", f"ppo.total_timesteps={total}",
+                                       config=INTERSECTION)), timeout=180))
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert rows[-1]["global_step"] == total
+    assert all(0 <= r["collision_rate"] <= 1 and 0 <= r["arrival_rate"] <= 1 for r in rows if r["episodes"])
+    checkpoint = run_dir / "checkpoints" / "latest.pt"
+    video = tmp_path / "intersection.mp4"
+    out = json.loads(check(run([BIN / "hvd-rl", "evaluate", "--checkpoint", checkpoint, "--video", video],
+                               timeout=120)).splitlines()[-1])
+    assert out["episodes"] == 1 and set(out["stats"][0]) == {"collision_rate", "arrival_rate"}
+    import imageio.v2 as imageio
+
+    frames = [frame for frame in imageio.get_reader(video)]
+    assert len(frames) == out["frames"] == out["lengths"][0] + 1 and frames[0].shape == (600, 600, 3)
+    assert frames[0].std() > 10 and np.abs(frames[-1].astype(int) - frames[0]).mean() > 1  # drawn, and moving
+    onnx_file = tmp_path / "actor.onnx"
+    exported = json.loads(check(run([BIN / "hvd-rl", "export", "--checkpoint", checkpoint, "--out", onnx_file],
+                                    timeout=180)).splitlines()[-1])
+    assert exported["input_shape"] == ["batch", 4, 105] and exported["output"] == "logits"
+
+    from hvd_rl.policy.trained import checkpoint_config, load_trained
+    from hvd_rl.envs.multiagent import make_multiagent_envs
+
+    cfg, state = checkpoint_config(checkpoint)
+    envs = make_multiagent_envs(cfg.env.id, 3, 4, 13)
+    obs, env_state, _ = envs.reset([1, 2, 3])
+    trained = load_trained(checkpoint, envs, cfg, state)
+    envs.close()
+    rows_in = torch.from_numpy(trained.algorithm.inputs(obs, env_state)).reshape(12, -1)
+    with torch.no_grad():
+        expected = trained.algorithm.model(rows_in)[0].reshape(3, 4, -1).numpy()
+    session = onnxruntime.InferenceSession(str(onnx_file))
+    got = session.run(None, {"obs": obs})[0]
+    assert got.shape == (3, 4, 3) and np.allclose(got, expected, rtol=1e-5, atol=1e-5)

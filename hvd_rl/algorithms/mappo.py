@@ -177,8 +177,9 @@ class MAPPO(PPO):
         n = sums["episodes"]
         for agent in self.spec.agents:
             out[f"return_{agent}"] = sums[f"return_{agent}"] / n if n else None
-        for name in self.stat_names:
-            out[f"{name}_per_episode"] = sums[f"episode_{name}"] / n if n else None
+        for name in self.stat_names:  # a rate is already per episode (a count is not)
+            key = name if name.endswith("_rate") else f"{name}_per_episode"
+            out[key] = sums[f"episode_{name}"] / n if n else None
         return out
 
     @torch.no_grad()

@@ -11,7 +11,9 @@ returns the next one's first observation, and the last one's is kept for truncat
 
 Families (env.id = "<family>/<name>"):
 - mpe2/<task>: PettingZoo MPE (mpe2), e.g. mpe2/simple_spread_v3, one Python env per slot;
-- vmas/<scenario>: VMAS, torch-vectorised: all E environments of a rank in one simulator.
+- vmas/<scenario>: VMAS, torch-vectorised: all E environments of a rank in one simulator;
+- highway/intersection: highway-env's intersection, each controlled vehicle an agent
+  (hvd_rl/envs/intersection.py).
 Every agent must have the same observation and action space (one shared actor); heterogeneous
 spaces are refused when the id is checked (`check_multiagent_id`).
 """
@@ -24,7 +26,8 @@ from typing import Any, Callable
 import gymnasium as gym
 import numpy as np
 
-FAMILIES = ("mpe2", "vmas")
+FAMILIES = ("mpe2", "vmas", "highway")
+HIGHWAY_TASKS = ("intersection",)
 
 
 def is_multiagent_id(env_id: str) -> bool:
@@ -86,9 +89,9 @@ class _Spaces:
 
 # ---- PettingZoo Parallel environments, one per slot -------------------------------------------
 
-def _mpe2_factory(name: str, num_agents: int, max_cycles: int) -> Callable[[], Any]:
+def _mpe2_factory(name: str, num_agents: int, max_cycles: int, render_mode: str | None) -> Callable[[], Any]:
     module = importlib.import_module(f"mpe2.{name}")
-    kwargs: dict[str, Any] = {"continuous_actions": False}
+    kwargs: dict[str, Any] = {"continuous_actions": False, "render_mode": render_mode}
     if num_agents:
         kwargs["N"] = num_agents
     if max_cycles:
@@ -96,14 +99,20 @@ def _mpe2_factory(name: str, num_agents: int, max_cycles: int) -> Callable[[], A
     return lambda: module.parallel_env(**kwargs)
 
 
-class ParallelEnvVector(_Spaces):
-    """E PettingZoo ParallelEnvs stepped in this process, as [E, A] arrays."""
+def _highway_factory(name: str, num_agents: int, max_steps: int, render_mode: str | None) -> Callable[[], Any]:
+    from hvd_rl.envs.intersection import IntersectionParallelEnv
 
-    stat_names: tuple[str, ...] = ()  # per-episode statistics in Episode.stats
+    return lambda: IntersectionParallelEnv(num_agents or 4, max_steps, render_mode)
+
+
+class ParallelEnvVector(_Spaces):
+    """E PettingZoo ParallelEnvs stepped in this process, as [E, A] arrays. An environment with
+    `stat_names` and `episode_stats()` reports those per finished episode (Episode.stats)."""
 
     def __init__(self, factory: Callable[[], Any], num_envs: int):
         self.envs = [factory() for _ in range(num_envs)]
         first = self.envs[0]
+        self.stat_names: tuple[str, ...] = tuple(getattr(first, "stat_names", ()))
         self.agents = tuple(first.possible_agents)
         self.spec = _spec_of(first, self.agents)
         self._returns = np.zeros((num_envs, len(self.agents)), np.float64)
@@ -141,6 +150,14 @@ class ParallelEnvVector(_Spaces):
     def alive(self) -> np.ndarray:
         return np.array([[a in env.agents for a in self.agents] for env in self.envs], bool)
 
+    def render(self) -> np.ndarray:
+        """The first environment's whole scene, every agent in it (made with render_mode="rgb_array")."""
+        return self.envs[0].render()
+
+    @property
+    def render_fps(self) -> float:
+        return float(self.envs[0].metadata.get("render_fps") or 10)
+
     def step(self, actions: np.ndarray) -> MultiAgentStep:
         E, A = self.num_envs, len(self.agents)
         obs = np.zeros((E, A) + self.spec.observation_space.shape, np.float32)
@@ -170,8 +187,9 @@ class ParallelEnvVector(_Spaces):
                 self._fill(obs[e], live)
                 state[e] = self._state(env, live)
                 continue
+            stats = env.episode_stats() if self.stat_names else {}
             episodes.append(Episode(float(self._returns[e].mean()), int(self._lengths[e]),
-                                    self._returns[e].tolist(), env=e))
+                                    self._returns[e].tolist(), stats, env=e))
             self._returns[e] = 0.0
             self._lengths[e] = 0
             got, _ = env.reset()
@@ -224,6 +242,8 @@ class VmasVector(_Spaces):
     ends together in VMAS (no dead agents); environments reset one by one (`reset_at`)."""
 
     stat_names = ("collisions",)  # agent-agent collisions per episode (VMAS's agent_collisions)
+
+    render_fps = 10.0  # VMAS's dt is 0.1 s
 
     def __init__(self, scenario: str, num_envs: int, num_agents: int, max_steps: int):
         import torch
@@ -293,6 +313,10 @@ class VmasVector(_Spaces):
         return MultiAgentStep(obs_np, state, np.ones((E, A), bool), rewards, terminated, truncated,
                               final_obs, final_state, episodes)
 
+    def render(self) -> np.ndarray:
+        """Environment 0's scene (VMAS draws with pyglet, which needs OpenGL)."""
+        return np.asarray(self.env.render(mode="rgb_array", env_index=0))
+
     def close(self) -> None:
         pass
 
@@ -304,13 +328,16 @@ def _gymnasium_box(space: Any) -> gym.spaces.Box:
 
 # ---- the front door -----------------------------------------------------------------------------
 
-def make_multiagent_envs(env_id: str, num_envs: int, num_agents: int, max_steps: int):
+def make_multiagent_envs(env_id: str, num_envs: int, num_agents: int, max_steps: int,
+                         render_mode: str | None = None):
     """This rank's multi-agent environments for an id of one of FAMILIES."""
     family, name = env_id.split("/", 1)
     if family == "mpe2":
-        return ParallelEnvVector(_mpe2_factory(name, num_agents, max_steps), num_envs)
+        return ParallelEnvVector(_mpe2_factory(name, num_agents, max_steps, render_mode), num_envs)
     if family == "vmas":
         return VmasVector(name, num_envs, num_agents, max_steps)
+    if family == "highway":
+        return ParallelEnvVector(_highway_factory(name, num_agents, max_steps, render_mode), num_envs)
     raise ValueError(f"unknown multi-agent family {family!r}")
 
 
@@ -334,6 +361,11 @@ def check_multiagent_id(env_id: str, num_agents: int, max_steps: int) -> str | N
 
             if name not in vmas.scenarios:
                 return f"env.id {env_id!r}: VMAS has no scenario {name!r} (it has e.g. navigation, balance, transport)"
+        elif family == "highway":
+            import highway_env  # noqa: F401  (the package must be there)
+
+            if name not in HIGHWAY_TASKS:
+                return f"env.id {env_id!r}: the highway family has {', '.join(HIGHWAY_TASKS)}, not {name!r}"
         describe(env_id, num_agents, max_steps)
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.split(".")[0] == family and exc.name != family:

@@ -10,6 +10,9 @@ normalisation (its statistics frozen as constants) happen inside. What it return
 - PPO, continuous actions: `mean` [N, A], the Gaussian's mean; the greedy action is the mean
   clipped to the action bounds (stored in the ONNX file's metadata);
 - DQN: `q_values` [N, A]; the greedy action is their argmax.
+- MAPPO / IPPO: the shared actor, decentralised execution: observations [N, agents, D] (every
+  agent's own, in the environment's agent order; N environments), the agent ids added inside,
+  and `logits` or `mean` [N, agents, ...] per agent. The critic is training-only and not exported.
 
 Float32 throughout, whatever precision the run trained in.
 """
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from hvd_rl.config import MULTIAGENT_ALGORITHMS, ConfigError
+from hvd_rl.envs.multiagent import make_multiagent_envs
 from hvd_rl.envs.vector import RankEnvs
 from hvd_rl.policy.trained import Trained, checkpoint_config, load_trained, single_process_env
 
@@ -47,6 +51,12 @@ class ExportedPolicy(nn.Module):
         self.register_buffer("obs_mean", torch.as_tensor(np.asarray(mean, dtype=np.float32)))
         self.register_buffer("obs_scale", torch.as_tensor(np.asarray(scale, dtype=np.float32)))
         self.obs_clip = float(clip)
+        # multi-agent: one-hot agent ids beside each agent's observation, as in training (InputRows)
+        spec = getattr(algorithm, "spec", None)
+        self.multiagent = spec is not None
+        ids = np.eye(spec.num_agents, dtype=np.float32) if self.multiagent and algorithm.inputs.ids is not None \
+            else np.zeros((0, 0), np.float32)
+        self.register_buffer("agent_ids", torch.as_tensor(ids))
         self.output_name = ("q_values" if trained.cfg.algorithm == "dqn" else
                             "mean" if getattr(network, "continuous", False) else "logits")
         self.float()
@@ -57,13 +67,20 @@ class ExportedPolicy(nn.Module):
             x = torch.clamp((x - self.obs_mean) * self.obs_scale, -self.obs_clip, self.obs_clip)
         if self.input_scale != 1.0:
             x = x * self.input_scale
-        return self.head(self.torso(x))
+        if not self.multiagent:
+            return self.head(self.torso(x))
+        n, agents = x.shape[0], x.shape[1]
+        if self.agent_ids.numel():
+            x = torch.cat([x, self.agent_ids.expand(n, -1, -1)], dim=-1)
+        out = self.head(self.torso(x.reshape(n * agents, -1)))  # the torso flattens: one row per agent
+        return out.reshape(n, agents, *out.shape[1:])
 
 
 def _metadata(trained: Trained, module: ExportedPolicy, observation_space: Any, action_space: Any) -> dict[str, str]:
     meta = {"hvd_rl.env_id": trained.cfg.env.id, "hvd_rl.algorithm": trained.cfg.algorithm,
             "hvd_rl.global_step": str(trained.global_step), "hvd_rl.output": module.output_name,
             "hvd_rl.observation_shape": json.dumps(list(observation_space.shape)),
+            **({"hvd_rl.agents": json.dumps(list(trained.algorithm.spec.agents))} if module.multiagent else {}),
             "hvd_rl.observation_dtype": str(observation_space.dtype)}
     if module.output_name == "mean":
         meta["hvd_rl.action_low"] = json.dumps(np.asarray(action_space.low).tolist())
@@ -76,13 +93,13 @@ def export_checkpoint(path: str | Path, out: str | Path, fmt: str = "onnx",
     if fmt not in FORMATS:
         raise ConfigError(f"--format must be one of {FORMATS}, got {fmt!r}")
     cfg, state = checkpoint_config(path, overrides)
-    if cfg.algorithm in MULTIAGENT_ALGORITHMS:
-        raise ConfigError(f"export of a multi-agent checkpoint ({cfg.algorithm}) is not built yet; "
-                          "`hvd-rl evaluate` without --video/--gif evaluates it")
-    envs = RankEnvs(single_process_env(cfg.env, 1), threads=1)
+    multiagent = cfg.algorithm in MULTIAGENT_ALGORITHMS
+    envs = make_multiagent_envs(cfg.env.id, 1, cfg.multiagent.num_agents, cfg.env.max_episode_steps) \
+        if multiagent else RankEnvs(single_process_env(cfg.env, 1), threads=1)
     try:
         trained = load_trained(path, envs, cfg, state)
-        example = torch.as_tensor(np.asarray(envs.reset([0])))
+        first = envs.reset([0])
+        example = torch.as_tensor(np.asarray(first[0] if multiagent else first))
         observation_space, action_space = envs.single_observation_space, envs.single_action_space
     finally:
         envs.close()
@@ -111,6 +128,7 @@ def export_checkpoint(path: str | Path, out: str | Path, fmt: str = "onnx",
                 model.metadata_props.add(key=key, value=value)
             onnx.save(model, str(tmp))
     tmp.replace(out)
+    agents = [len(trained.algorithm.spec.agents)] if module.multiagent else []
     return {"checkpoint": str(path), "out": str(out), "format": fmt, "input": "obs",
-            "input_shape": ["batch", *observation_space.shape], "input_dtype": str(observation_space.dtype),
+            "input_shape": ["batch", *agents, *observation_space.shape], "input_dtype": str(observation_space.dtype),
             "output": module.output_name, **{k.split(".", 1)[1]: v for k, v in meta.items()}}

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from hvd_rl.config import MULTIAGENT_ALGORITHMS, ConfigError
+from hvd_rl.envs.multiagent import Episode, make_multiagent_envs
 from hvd_rl.envs.vector import RankEnvs
 from hvd_rl.policy.trained import checkpoint_config, load_trained, single_process_env
 
@@ -38,7 +39,7 @@ def _fps(envs: RankEnvs, frame_skip: int) -> float:
     return float(envs.vec.envs[0].metadata.get("render_fps") or 30)
 
 
-def _screen(envs: RankEnvs) -> np.ndarray:
+def _screen(envs: Any) -> np.ndarray:
     try:
         frame = envs.render()
     except Exception as exc:  # noqa: BLE001 - each renderer fails in its own way (GL, pygame, ...)
@@ -121,18 +122,17 @@ def record_checkpoint(path: str | Path, video: str | Path | None = None, gif: st
     if episodes <= 0 or max_frames <= 1:
         raise ConfigError(f"--episodes must be positive and --max-frames > 1, got {episodes} and {max_frames}")
     cfg, state = checkpoint_config(path, overrides)
+    if not os.environ.get("DISPLAY"):  # no screen: draw off-screen
+        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame (classic control, MPE, highway-env)
+        os.environ.setdefault("MUJOCO_GL", "egl")  # MuJoCo: EGL (GPU, or Mesa's software EGL)
+    _imageio(video is not None)  # a missing encoder is said before any game is played
     if cfg.algorithm in MULTIAGENT_ALGORITHMS:
-        raise ConfigError(f"recording of a multi-agent checkpoint ({cfg.algorithm}) is not built yet; "
-                          "`hvd-rl evaluate` without --video/--gif evaluates it")
+        return _record_multiagent(path, cfg, state, video, gif, episodes, seed, max_frames)
     env_cfg = single_process_env(cfg.env, 1)
     if env_cfg.backend != "sync":
         note(f"env.backend {env_cfg.backend!r} cannot render; recording with 'sync' (the same game semantics: "
              "tests/test_atari_semantics.py)")
         env_cfg = replace(env_cfg, backend="sync")
-    if not os.environ.get("DISPLAY"):  # no screen: draw off-screen
-        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame (classic control)
-        os.environ.setdefault("MUJOCO_GL", "egl")  # MuJoCo: EGL (GPU, or Mesa's software EGL)
-    _imageio(video is not None)  # a missing encoder is said before any game is played
     envs = RankEnvs(env_cfg, threads=max(1, torch.get_num_threads()), render_mode="rgb_array")
     recorder: Recorder | None = None
     try:
@@ -162,4 +162,39 @@ def record_checkpoint(path: str | Path, video: str | Path | None = None, gif: st
             "frames": recorder.frames, "height": int(height), "width": int(width),
             "fps": recorder.fps, "episodes": len(returns), "returns": [float(r) for r in returns],
             "lengths": [int(n) for n in lengths], "complete": len(returns) >= episodes,
+            "video": str(video) if video else None, "gif": str(gif) if gif else None}
+
+
+def _record_multiagent(path: str | Path, cfg: Any, state: dict[str, Any], video: str | Path | None,
+                       gif: str | Path | None, episodes: int, seed: int, max_frames: int) -> dict[str, Any]:
+    """One environment, every agent acting greedily on its own observation, the whole scene in
+    each frame (MPE's arena, the intersection from above); team returns per episode."""
+    envs = make_multiagent_envs(cfg.env.id, 1, cfg.multiagent.num_agents, cfg.env.max_episode_steps,
+                                render_mode="rgb_array")
+    recorder: Recorder | None = None
+    try:
+        trained = load_trained(path, envs, cfg, state)
+        torch.manual_seed(seed)
+        obs, _, _ = envs.reset([seed])
+        recorder = Recorder(Path(video) if video else None, Path(gif) if gif else None, envs.render_fps)
+        recorder.add(_screen(envs))
+        played: list[Episode] = []
+        while len(played) < episodes and recorder.frames < max_frames:
+            result = envs.step(trained.algorithm.act(obs, greedy=True))
+            recorder.add(_screen(envs))
+            played.extend(result.episodes)
+            obs = result.obs
+    except BaseException:
+        if recorder is not None:
+            recorder.abort()
+        raise
+    finally:
+        envs.close()
+    recorder.close()
+    height, width = recorder.shape[:2]
+    return {"checkpoint": str(path), "env_id": cfg.env.id, "global_step": trained.global_step,
+            "frames": recorder.frames, "height": int(height), "width": int(width),
+            "fps": recorder.fps, "episodes": len(played), "returns": [e.team_return for e in played],
+            "lengths": [e.length for e in played], "stats": [e.stats for e in played],
+            "complete": len(played) >= episodes,
             "video": str(video) if video else None, "gif": str(gif) if gif else None}
