@@ -14,7 +14,7 @@ vehicles. Per episode: collision_rate and arrival_rate (fractions of the control
 
 Speed: highway-env simulates at 5 Hz here (its highway-fast-v0 setting; 15 Hz by default) and each
 vehicle's observation is built with numpy instead of pandas (`NumpyKinematics`, the same numbers as
-highway-env's KinematicObservation: tests/test_multiagent.py compares them), about 4x faster.
+highway-env's KinematicObservation: tests/test_multiagent.py compares them), about 3x faster.
 """
 from __future__ import annotations
 
