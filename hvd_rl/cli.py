@@ -133,8 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     batch = sub.add_parser("aws-batch", help="this node's part of an AWS Batch multi-node parallel job",
                            description="Run on every node of an AWS Batch multi-node parallel job (the image's "
                                        "entry point does): the main node runs COMMAND under mpirun across all "
-                                       "nodes, every node exits with its code. Settings: HVD_RL_RANKS_PER_NODE, "
-                                       "HVD_RL_NODE_WAIT_S, HVD_RL_RENDEZVOUS_PORT, HVD_RL_SSH_PORT, HVD_RL_MPIRUN_ARGS.")
+                                       "nodes, every node exits with its code. Required: HVD_RL_RENDEZVOUS_SECRET (the job's "
+                                       "secret, the same on every node: it authenticates each node; never forwarded "
+                                       "to the ranks). Settings: HVD_RL_RENDEZVOUS_ALLOW_CIDR (default: the /16 "
+                                       "around the main node), HVD_RL_RENDEZVOUS_BIND, HVD_RL_STOP_TIMEOUT_S (SIGTERM "
+                                       "to exit 75, default 25), HVD_RL_RANKS_PER_NODE, HVD_RL_NODE_WAIT_S, "
+                                       "HVD_RL_RENDEZVOUS_PORT, HVD_RL_SSH_PORT, HVD_RL_MPIRUN_ARGS.")
     batch.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                        help="what the ranks run, e.g. -- hvd-rl train --config configs/atari_ppo.toml")
     return parser

@@ -233,6 +233,17 @@ def test_plan_defaults_overrides_and_launch_line():
     assert one.command(Path("/v"))[:2] == ["/v/hvd-rl", "train"]  # one rank: no mpirun
 
 
+def test_multiagent_plans_say_which_trainer_runs_and_own_the_algorithm():
+    """MAPPO and IPPO share a config: the plan's algorithm is set on the run, PPO's step budget
+    counts, and an override of the algorithm is refused."""
+    spread = REPO / "configs" / "mpe_spread_mappo.toml"
+    text = f'name = "m"\nconfig = "{spread}"\nsteps = 640\n[[experiment]]\nname = "i"\nalgorithm = "ippo"\n'
+    (spec,) = parse_plan(text, "m.toml").runs(Path("/s"))
+    assert spec.command(Path("/v"))[-4:] == ["--set", "ppo.total_timesteps=640", "--set", "algorithm=ippo"]
+    with pytest.raises(PlanError, match="algorithm is set by the plan"):
+        parse_plan(text.replace('name = "i"', 'name = "i"\noverrides = ["algorithm=mappo"]'), "m.toml")
+
+
 def test_shipped_plans_presets_and_references_fit_together():
     from hvd_rl.config import load_config
 
@@ -394,3 +405,36 @@ name = "cart"
     assert "cart/seed1: already completed, skipped" in again
     outside = run(["bash", script], timeout=60, env={**env, "SLURM_ARRAY_TASK_ID": "5"}, cwd=tmp_path)
     assert outside.returncode == 2 and "outside the plan's 2 (experiment, seed) elements" in outside.stdout
+
+
+def test_multiagent_benchmark_scores_by_iqm_over_seeds_against_a_random_policy(tmp_path):
+    """benchmarks/multiagent.py: the IQM of every seed's last 100 episodes pooled (hand-computed),
+    an interval that is a point when nothing varies, and a random policy played on the real task."""
+    spec = importlib.util.spec_from_file_location("multiagent_benchmark", REPO / "benchmarks" / "multiagent.py")
+    ma = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ma)
+    assert ma.iqm(np.arange(1.0, 9.0)) == 4.5  # the middle four of 1..8
+    assert ma.iqm_interval([np.full(10, 2.0)] * 3) == (2.0, 2.0, 2.0)
+    spread = REPO / "configs" / "mpe_spread_mappo.toml"
+    plan = tmp_path / "spread.toml"
+    plan.write_text(f'name = "spread"\nconfig = "{spread}"\nsteps = 3000\n[[experiment]]\nname = "mappo"\n'
+                    f'algorithm = "mappo"\nseeds = [1, 2]\n[[experiment]]\nname = "ippo"\nalgorithm = "ippo"\n'
+                    f'seeds = [1]\n')
+    study = tmp_path / "study"
+    fake_run(study / "mappo" / "seed1", [[-30.0] * 5, [-20.0] * 5, [-10.0] * 5])
+    fake_run(study / "mappo" / "seed2", [[-20.0] * 5, [-10.0] * 5, [0.0] * 5])
+    fake_run(study / "ippo" / "seed1", [[-40.0] * 5, [-35.0] * 5, [-30.0] * 5], completed=False)
+    out = tmp_path / "out"
+    check(run([PYTHON, REPO / "benchmarks" / "multiagent.py", "--plan", plan, "--study", study, "--out", out,
+               "--baseline-episodes", "16"], timeout=120))
+    result = json.loads((out / "spread.json").read_text())
+    mappo, ippo = result["results"]
+    # 30 pooled returns, 7 trimmed from each end: eight -20s and eight -10s remain
+    assert mappo["iqm"] == -15.0 and mappo["ci"][0] <= -15.0 <= mappo["ci"][1]
+    assert [s["final"] for s in mappo["seeds"]] == [-20.0, -10.0] and mappo["mean_of_seed_finals"] == -15.0
+    assert ippo["iqm"] == -35.0 and ippo["seeds"][0]["status"] == "partial"
+    (random_policy,) = result["baselines"]
+    assert random_policy["policy"] == "random" and random_policy["episodes"] == 16 and random_policy["iqm"] < 0
+    table = (out / "spread.md").read_text()
+    assert "| mappo (mappo) | 2 |" in table and "| ippo (ippo) | 1 (partial) |" in table and "random policy" in table
+    assert Image.open(out / "spread.png").size[0] > 500

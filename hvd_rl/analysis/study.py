@@ -7,7 +7,7 @@ every `[[experiment]]`, which may override them:
     algorithm = "ppo"               # with the env id, picks the reference points
     config = "configs/atari_ppo_cleanrl.toml"
     ranks = 2                       # N of `mpirun -np N`
-    steps = 10_000_000              # global env steps (<algorithm>.total_timesteps)
+    steps = 10_000_000              # global env steps (ppo.total_timesteps, or dqn's)
     seeds = [1, 2, 3]
     global_envs = 8                 # optional: env.num_envs = global_envs / ranks
     overrides = ["distributed.amp=off"]
@@ -44,6 +44,7 @@ _ACCEPTANCE_KEYS = {"mean_at_least", "each_above"}
 # Config keys the plan itself sets for every run: an override of one would silently disagree
 # with what the report says the run was.
 _PLAN_OWNED = {"seed": "seeds", "run_dir": "the study's directory", "ppo.total_timesteps": "steps",
+               "algorithm": "algorithm",
                "dqn.total_timesteps": "steps"}
 
 
@@ -76,7 +77,10 @@ class Experiment:
         return self.global_envs // self.ranks if self.global_envs else None
 
     def derived_overrides(self, seed: int) -> list[str]:
-        sets = [f"seed={seed}", f"{self.algorithm}.total_timesteps={self.steps}"]
+        section = "dqn" if self.algorithm == "dqn" else "ppo"  # MAPPO and IPPO take PPO's [ppo]
+        sets = [f"seed={seed}", f"{section}.total_timesteps={self.steps}"]
+        if self.algorithm in ("mappo", "ippo"):  # one config serves both: the plan says which trains
+            sets.append(f"algorithm={self.algorithm}")
         if self.env:
             sets.append(f"env.id={json.dumps(self.env)}")
         if self.num_envs:
