@@ -11,7 +11,11 @@
 #   sudo benchmarks/run_multinode_study.sh [OUT_DIR]        # ~8 minutes on 2 cores
 #
 # Environment: HVD_RL_STUDY_RATES (default "off 1gbit"), HVD_RL_STUDY_RANKS / _NODES (default
-# "1 2" / "1 2"), HVD_RL_STUDY_ITERATIONS (measured iterations per point, default 3),
+# "1 2" / "1 2"; the cluster gets the largest node count), HVD_RL_STUDY_ITERATIONS (measured
+# iterations per point, default 3), HVD_RL_STUDY_CONFIG (default configs/atari_ppo.toml) and
+# HVD_RL_STUDY_SETS (space-separated SECTION.KEY=VALUE for every run, e.g.
+# "distributed.compression=powersgd"): the multi-agent study of benchmarks/results/multiagent runs
+#   HVD_RL_STUDY_CONFIG=configs/mpe_spread_mappo.toml HVD_RL_STUDY_RANKS="1 2 4" HVD_RL_STUDY_NODES="1 2 4" ...
 # HVD_RL_STUDY_PAUSE / HVD_RL_STUDY_RESUME: commands run around the timed part (e.g. to pause other
 # work on the machine; RESUME runs whatever happens). Needs root (namespaces); refuses otherwise.
 set -euo pipefail
@@ -22,6 +26,12 @@ read -r -a RATES <<< "${HVD_RL_STUDY_RATES:-off 1gbit}"
 RANKS="${HVD_RL_STUDY_RANKS:-1 2}"
 NODES="${HVD_RL_STUDY_NODES:-1 2}"
 ITERATIONS="${HVD_RL_STUDY_ITERATIONS:-3}"
+CONFIG="${HVD_RL_STUDY_CONFIG:-configs/atari_ppo.toml}"
+read -r -a SETS <<< "${HVD_RL_STUDY_SETS:-}"
+SET_ARGS=()
+for s in "${SETS[@]}"; do SET_ARGS+=(--set "$s"); done
+MAX_NODES="$(tr ' ' '\n' <<< "$NODES" | sort -n | tail -1)"
+[ "$MAX_NODES" -ge 2 ] || MAX_NODES=2
 BIN="$REPO/.venv/bin"
 CLUSTER="$REPO/slurm/sim_cluster.sh"
 export HVD_RL_SIMCLUSTER_DIR="${HVD_RL_SIMCLUSTER_DIR:-/tmp/hvd_rl_simcluster}"
@@ -42,7 +52,7 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-"$CLUSTER" start 2
+"$CLUSTER" start "$MAX_NODES"
 eval "$("$CLUSTER" env)"
 export PATH="$BIN:$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
 
@@ -63,7 +73,7 @@ for rate in "${RATES[@]}"; do
   mkdir -p "$OUT/$label"
   "$BIN/hvd-rl" slurm render --template sweep --job-name "sweep-$label" --ranks "$RANKS" --sweep-nodes "$NODES" \
       --mode weak --ntasks-per-node 1 --cpus-per-task 1 --iterations "$ITERATIONS" --time 00:30:00 \
-      --config configs/atari_ppo.toml --run-root "$OUT/$label" --out "$OUT/$label/sweep.sbatch" >/dev/null
+      --config "$CONFIG" "${SET_ARGS[@]}" --run-root "$OUT/$label" --out "$OUT/$label/sweep.sbatch" >/dev/null
 done
 
 if [ -n "${HVD_RL_STUDY_PAUSE:-}" ]; then
@@ -102,6 +112,7 @@ grep -rlI --exclude=*.png -e "$REPO" "$OUT" | xargs -r sed -i -e "s|$REPO/||g" -
 {
   echo "machine: $(hostname -s), $(nproc) cores; $(uname -r)"
   echo "rates: ${RATES[*]}; ranks: $RANKS; nodes: $NODES; measured iterations per point: $ITERATIONS"
+  echo "config: $CONFIG; settings: ${SETS[*]:-none}"
   echo "measurement window: ${quiet_s} s; paused meanwhile: ${HVD_RL_STUDY_PAUSE:-nothing}"
   echo "command: benchmarks/run_multinode_study.sh $(realpath --relative-to="$REPO" "$OUT")"
 } > "$OUT/study.txt"

@@ -269,12 +269,23 @@ def test_intersection_mappo_trains_on_two_ranks_records_every_vehicle_and_export
     onnxruntime = pytest.importorskip("onnxruntime") if not os.environ.get("CI") else __import__("onnxruntime")
     run_dir = tmp_path / "run"
     total = 2 * 2 * 16 * 2
-    check(run(mpirun_cmd(2, *train_cmd(run_dir, "logging.tensorboard=false", "env.num_envs=2", "ppo.num_steps=16",
+    check(run(mpirun_cmd(2, *train_cmd(run_dir, "logging.tensorboard=true", "env.num_envs=2", "ppo.num_steps=16",
                                        "ppo.update_epochs=2", f"ppo.total_timesteps={total}",
                                        config=INTERSECTION)), timeout=180))
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert rows[-1]["global_step"] == total
     assert all(0 <= r["collision_rate"] <= 1 and 0 <= r["arrival_rate"] <= 1 for r in rows if r["episodes"])
+    # TensorBoard: every vehicle's return under agents/, the task's rates beside the team return
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    board.Reload()
+    tags = set(board.Tags()["scalars"])
+    assert {f"agents/return_vehicle_{i}" for i in range(4)} | {"charts/collision_rate", "charts/arrival_rate",
+                                                                "charts/episodic_return_mean"} <= tags
+    last = [r for r in rows if r["episodes"]][-1]
+    logged = board.Scalars("charts/collision_rate")[-1]
+    assert logged.step == last["global_step"] and logged.value == pytest.approx(last["collision_rate"], rel=1e-6)
     checkpoint = run_dir / "checkpoints" / "latest.pt"
     video = tmp_path / "intersection.mp4"
     out = json.loads(check(run([BIN / "hvd-rl", "evaluate", "--checkpoint", checkpoint, "--video", video],

@@ -28,7 +28,7 @@ from hvd_rl.algorithms.models import build_multiagent_model
 from hvd_rl.algorithms.multiagent_rollout import (InputRows, MultiAgentBuffer, MultiAgentCollector,
                                                   MultiAgentEpisodes)
 from hvd_rl.algorithms.normalize import ValueNormalizer
-from hvd_rl.algorithms.ppo import LOSS_METRICS, PPO, Batch, compute_gae
+from hvd_rl.algorithms.ppo import PPO, Batch, compute_gae, update_sums
 from hvd_rl.config import TrainConfig
 from hvd_rl.envs.multiagent import describe, make_multiagent_envs
 from hvd_rl.envs.vector import EnvLayout
@@ -123,16 +123,9 @@ class MAPPO(PPO):
         stats = self.learner.update(batch, context.iteration, layout.first(rank) * A, layout.counts[rank] * A,
                                     steps, stop_requested=context.stop_requested)
 
-        counted = batch.mask.double()
-        returns, values = batch.returns.double() * counted, batch.values.double() * counted
-        residual = returns - values
-        samples = float(counted.sum())
-        losses = {name: getattr(stats, name) * samples for name in LOSS_METRICS}
         return IterationReport(
             metrics={"time_env": times.env, "time_inference": times.inference, "time_update": stats.time_update},
-            sums={**losses, "returns": float(returns.sum()), "returns_sq": float((returns ** 2).sum()),
-                  "residual": float(residual.sum()), "residual_sq": float((residual ** 2).sum()),
-                  "samples": samples, **self._episode_sums(episodes)},
+            sums={**update_sums(stats, batch.returns, batch.values, batch.mask), **self._episode_sums(episodes)},
             episode_returns=episodes.team_returns, episode_lengths=episodes.lengths,
             stop_agreed=stats.stop_requested, finite=("policy_loss", "value_loss"),
             extra={"approx_kl": stats.approx_kl, "learning_rate": lr, "epochs_run": stats.epochs_run,

@@ -334,6 +334,19 @@ class PPOLearner:
 
 LOSS_METRICS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "clipfrac")  # sample-weighted
 
+
+def update_sums(stats: UpdateStats, returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """What an update adds to the iteration's sums over ranks, over this rank's counted samples
+    (mask 1): loss terms weighted by the samples (ranks with more samples weigh more, so the logged
+    loss is the mean over all samples, as one process would log it) and the value-fit moments."""
+    counted = mask.double()
+    returns, values = returns.double() * counted, values.double() * counted
+    residual = returns - values
+    samples = float(counted.sum())
+    return {**{name: getattr(stats, name) * samples for name in LOSS_METRICS},
+            "returns": float(returns.sum()), "returns_sq": float((returns ** 2).sum()),
+            "residual": float(residual.sum()), "residual_sq": float((residual ** 2).sum()), "samples": samples}
+
 class PPO(Algorithm):
     name = "ppo"
     supports_uneven_layout = True
@@ -481,17 +494,9 @@ class PPO(Algorithm):
         stats = self.learner.update(batch, context.iteration, layout.first(rank), layout.counts[rank], steps,
                                     stop_requested=context.stop_requested, share=share)
 
-        returns, values = batch.returns.double(), batch.values.double()
-        residual = returns - values
-        samples = float(returns.numel())
-        # Loss terms go in as sums over this rank's samples: ranks with more environments weigh
-        # more, so the logged loss is the mean over all samples, as one process would log it.
-        losses = {name: getattr(stats, name) * samples for name in LOSS_METRICS}
         return IterationReport(
             metrics={"time_env": times.env, "time_inference": times.inference, "time_update": stats.time_update},
-            sums={**losses, "returns": float(returns.sum()), "returns_sq": float((returns ** 2).sum()),
-                  "residual": float(residual.sum()), "residual_sq": float((residual ** 2).sum()),
-                  "samples": samples},
+            sums=update_sums(stats, batch.returns, batch.values, torch.ones_like(batch.returns)),
             episode_returns=episodes.returns, episode_lengths=episodes.lengths,
             stop_agreed=stats.stop_requested, finite=("policy_loss", "value_loss"),
             extra={"approx_kl": stats.approx_kl, "learning_rate": lr, "epochs_run": stats.epochs_run,

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from hvd_rl.config import MULTIAGENT_ALGORITHMS, ConfigError
-from hvd_rl.envs.multiagent import Episode, make_multiagent_envs
+from hvd_rl.envs.multiagent import make_multiagent_envs
 from hvd_rl.envs.vector import RankEnvs
 from hvd_rl.policy.trained import checkpoint_config, load_trained, single_process_env
 
@@ -127,62 +127,42 @@ def record_checkpoint(path: str | Path, video: str | Path | None = None, gif: st
         os.environ.setdefault("MUJOCO_GL", "egl")  # MuJoCo: EGL (GPU, or Mesa's software EGL)
     _imageio(video is not None)  # a missing encoder is said before any game is played
     if cfg.algorithm in MULTIAGENT_ALGORITHMS:
-        return _record_multiagent(path, cfg, state, video, gif, episodes, seed, max_frames)
+        # One environment, every agent acting on its own observation, the whole scene in each
+        # frame (MPE's arena, the intersection from above); team returns per episode.
+        envs = make_multiagent_envs(cfg.env.id, 1, cfg.multiagent.num_agents, cfg.env.max_episode_steps,
+                                    render_mode="rgb_array")
+        return _record_games(envs, path, cfg, state, video, gif, episodes, seed, max_frames, envs.render_fps,
+                             reset=lambda: envs.reset([seed])[0],
+                             finished=lambda result: [(e.team_return, e.length, e.stats) for e in result.episodes])
     env_cfg = single_process_env(cfg.env, 1)
     if env_cfg.backend != "sync":
         note(f"env.backend {env_cfg.backend!r} cannot render; recording with 'sync' (the same game semantics: "
              "tests/test_atari_semantics.py)")
         env_cfg = replace(env_cfg, backend="sync")
     envs = RankEnvs(env_cfg, threads=max(1, torch.get_num_threads()), render_mode="rgb_array")
+    return _record_games(envs, path, cfg, state, video, gif, episodes, seed, max_frames,
+                         _fps(envs, env_cfg.frame_skip), reset=lambda: envs.reset([seed]),
+                         finished=lambda result: [(float(r), int(n), None) for r, n in
+                                                  zip(result.episode_returns, result.episode_lengths)])
+
+
+def _record_games(envs: Any, path: str | Path, cfg: Any, state: dict[str, Any], video: str | Path | None,
+                  gif: str | Path | None, episodes: int, seed: int, max_frames: int, fps: float,
+                  reset: Callable[[], Any], finished: Callable[[Any], list[tuple]]) -> dict[str, Any]:
+    """Greedy games of the checkpoint's policy on `envs` (closed at the end), every frame recorded;
+    `finished` gives a step's ended episodes as (return, length, statistics or None)."""
     recorder: Recorder | None = None
     try:
         trained = load_trained(path, envs, cfg, state)
         torch.manual_seed(seed)
-        obs = envs.reset([seed])
-        recorder = Recorder(Path(video) if video else None, Path(gif) if gif else None,
-                            _fps(envs, env_cfg.frame_skip))
+        obs = reset()
+        recorder = Recorder(Path(video) if video else None, Path(gif) if gif else None, fps)
         recorder.add(_screen(envs))
-        returns: list[float] = []
-        lengths: list[int] = []
-        while len(returns) < episodes and recorder.frames < max_frames:
-            result = envs.step(trained.algorithm.act(obs, greedy=True))
-            recorder.add(_screen(envs))
-            returns.extend(result.episode_returns)
-            lengths.extend(result.episode_lengths)
-            obs = result.obs
-    except BaseException:
-        if recorder is not None:
-            recorder.abort()
-        raise
-    finally:
-        envs.close()
-    recorder.close()
-    height, width = recorder.shape[:2]
-    return {"checkpoint": str(path), "env_id": cfg.env.id, "global_step": trained.global_step,
-            "frames": recorder.frames, "height": int(height), "width": int(width),
-            "fps": recorder.fps, "episodes": len(returns), "returns": [float(r) for r in returns],
-            "lengths": [int(n) for n in lengths], "complete": len(returns) >= episodes,
-            "video": str(video) if video else None, "gif": str(gif) if gif else None}
-
-
-def _record_multiagent(path: str | Path, cfg: Any, state: dict[str, Any], video: str | Path | None,
-                       gif: str | Path | None, episodes: int, seed: int, max_frames: int) -> dict[str, Any]:
-    """One environment, every agent acting greedily on its own observation, the whole scene in
-    each frame (MPE's arena, the intersection from above); team returns per episode."""
-    envs = make_multiagent_envs(cfg.env.id, 1, cfg.multiagent.num_agents, cfg.env.max_episode_steps,
-                                render_mode="rgb_array")
-    recorder: Recorder | None = None
-    try:
-        trained = load_trained(path, envs, cfg, state)
-        torch.manual_seed(seed)
-        obs, _, _ = envs.reset([seed])
-        recorder = Recorder(Path(video) if video else None, Path(gif) if gif else None, envs.render_fps)
-        recorder.add(_screen(envs))
-        played: list[Episode] = []
+        played: list[tuple] = []
         while len(played) < episodes and recorder.frames < max_frames:
             result = envs.step(trained.algorithm.act(obs, greedy=True))
             recorder.add(_screen(envs))
-            played.extend(result.episodes)
+            played.extend(finished(result))
             obs = result.obs
     except BaseException:
         if recorder is not None:
@@ -192,9 +172,10 @@ def _record_multiagent(path: str | Path, cfg: Any, state: dict[str, Any], video:
         envs.close()
     recorder.close()
     height, width = recorder.shape[:2]
+    stats = [p[2] for p in played if p[2] is not None]
     return {"checkpoint": str(path), "env_id": cfg.env.id, "global_step": trained.global_step,
             "frames": recorder.frames, "height": int(height), "width": int(width),
-            "fps": recorder.fps, "episodes": len(played), "returns": [e.team_return for e in played],
-            "lengths": [e.length for e in played], "stats": [e.stats for e in played],
+            "fps": recorder.fps, "episodes": len(played), "returns": [float(p[0]) for p in played],
+            "lengths": [int(p[1]) for p in played], **({"stats": stats} if stats else {}),
             "complete": len(played) >= episodes,
             "video": str(video) if video else None, "gif": str(gif) if gif else None}

@@ -86,9 +86,21 @@ def truncate_metrics(run_dir: str | Path, last_iteration: int, last_global_step:
             _rewrite(path, [row for row in read_jsonl(path) if keep(row.get("iteration", 0))])
 
 
+def _chart_group(key: str) -> str:
+    if key.startswith("time_"):
+        return "time"
+    if key.startswith("return_"):  # multi-agent: each agent's return (return_<agent>)
+        return "agents"
+    if key in ("episodic_return_mean", "episodic_length_mean", "sps", "learning_rate", "episodes", "world_size") \
+            or key.endswith(("_rate", "_per_episode")):  # multi-agent tasks' statistics: collision_rate, ...
+        return "charts"
+    return "losses"
+
+
 def chart_scalars(record: dict[str, Any]) -> dict[str, float]:
     """The scalars of a metrics row as charts name them (TensorBoard, W&B): charts/, losses/,
-    time/, and ranks/<metric>/rank<i> for the per-rank load figures."""
+    time/, agents/ (multi-agent: each agent's return), and ranks/<metric>/rank<i> for the per-rank
+    load figures."""
     scalars: dict[str, float] = {}
     for key, value in record.items():
         if key.endswith("_by_rank") and isinstance(value, list):  # load monitoring
@@ -97,10 +109,7 @@ def chart_scalars(record: dict[str, Any]) -> dict[str, float]:
                     scalars[f"ranks/{key[:-len('_by_rank')]}/rank{rank}"] = item
             continue
         if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("iteration", "global_step"):
-            group = "time" if key.startswith("time_") else (
-                "charts" if key in ("episodic_return_mean", "episodic_length_mean", "sps",
-                                    "learning_rate", "episodes", "world_size") else "losses")
-            scalars[f"{group}/{key}"] = value
+            scalars[f"{_chart_group(key)}/{key}"] = value
     return scalars
 
 
