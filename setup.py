@@ -20,6 +20,8 @@ INSTALL_REQUIRES = [
     "mpe2>=1.0",
     "vmas>=1.4",
     "highway-env>=1.10",
+    # Sweeps and seed studies (hvd_rl/cluster/sweeps): samplers, pruners, journal storage, plots
+    "optuna>=4.9",
 ]
 
 setup(

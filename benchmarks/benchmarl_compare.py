@@ -44,15 +44,14 @@ from benchmarl.models.mlp import MlpConfig
 
 scenario, frames, seed, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 
-class Rows(Callback):
-    def __init__(self):
-        super().__init__()
-        self.file = open(out + "/iterations.jsonl", "w")
+open(out + "/iterations.jsonl", "w").close()
+
+class Rows(Callback):  # BenchMARL pickles its callbacks: no open file in here
     def on_train_end(self, training_td, group):
         e = self.experiment
-        self.file.write(json.dumps({"frames": e.total_frames, "mean_return": e.mean_return,
-                                    "train_seconds": e.total_time, "time": time.time()}) + "\n")
-        self.file.flush()
+        with open(out + "/iterations.jsonl", "a") as f:
+            f.write(json.dumps({"frames": e.total_frames, "mean_return": e.mean_return,
+                                "train_seconds": e.total_time, "time": time.time()}) + "\n")
 
 config = ExperimentConfig.get_from_yaml()
 config.max_n_frames = frames

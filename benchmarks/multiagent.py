@@ -26,36 +26,17 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from scipy import stats
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from hvd_rl.analysis.aggregate import iqm_interval  # noqa: E402
 from hvd_rl.analysis.learning import LAST_N, aggregate, games, run_curve, run_stats  # noqa: E402
 from hvd_rl.analysis.study import load_plan  # noqa: E402
 from hvd_rl.envs.multiagent import make_multiagent_envs  # noqa: E402
 from hvd_rl.runtime.metrics import read_jsonl  # noqa: E402
 
-BOOTSTRAP = 2000
 IDLE = 1  # highway-env's "keep the target speed"
-
-
-def iqm(values: np.ndarray) -> float:
-    return float(stats.trim_mean(values, 0.25))
-
-
-def iqm_interval(groups: list[np.ndarray], seed: int = 0) -> tuple[float, float, float]:
-    """IQM of all values pooled and a 95% percentile interval: resample the groups (seeds), then
-    the values within each resampled group."""
-    rng = np.random.default_rng(seed)
-    groups = [np.asarray(g, np.float64) for g in groups if len(g)]
-    point = iqm(np.concatenate(groups))
-    draws = np.empty(BOOTSTRAP)
-    for b in range(BOOTSTRAP):
-        picked = [groups[i] for i in rng.integers(0, len(groups), len(groups))]
-        draws[b] = iqm(np.concatenate([g[rng.integers(0, len(g), len(g))] for g in picked]))
-    low, high = np.percentile(draws, [2.5, 97.5])
-    return point, float(low), float(high)
 
 
 def play_baseline(env_id: str, num_agents: int, max_steps: int, policy: str, episodes: int,

@@ -130,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     k8s_render.add_render_arguments(k8s_sub.add_parser("render", help="write an MPIJob manifest",
                                                        description="Write a ready-to-apply MPIJob manifest."))
 
+    from hvd_rl.cluster.sweeps.commands import add_sweep_parser
+
+    add_sweep_parser(sub)
+
     batch = sub.add_parser("aws-batch", help="this node's part of an AWS Batch multi-node parallel job",
                            description="Run on every node of an AWS Batch multi-node parallel job (the image's "
                                        "entry point does): the main node runs COMMAND under mpirun across all "
@@ -307,6 +311,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return error_exit(str(exc), R.EXIT_BAD_INPUT)
     except R.NonFiniteLossError as exc:
         return error_exit(str(exc), R.EXIT_NONFINITE)
+    except R.Pruned as exc:  # a sweep's pruner ended this trial: a finished run, not a failure
+        if _launcher_rank()[0] in (None, "0"):
+            print(f"hvd-rl: {exc}", flush=True)
+        return R.EXIT_OK
     except R.Preempted as exc:
         _write_stderr(f"{_rank_prefix()}hvd-rl: {exc}")
         return R.preempted_exit_code()
@@ -403,7 +411,13 @@ def cmd_aws_batch(args: argparse.Namespace) -> int:
         return error_exit(f"aws-batch: {exc}", 2)
 
 
-COMMANDS = {"train": cmd_train, "evaluate": cmd_evaluate, "export": cmd_export, "doctor": cmd_doctor,
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from hvd_rl.cluster.sweeps.commands import cmd_sweep as run_sweep
+
+    return run_sweep(args)
+
+
+COMMANDS = {"sweep": cmd_sweep, "train": cmd_train, "evaluate": cmd_evaluate, "export": cmd_export, "doctor": cmd_doctor,
             "report": cmd_report, "slurm": cmd_slurm, "k8s": cmd_k8s, "aws-batch": cmd_aws_batch}
 
 

@@ -8,6 +8,10 @@
 #   slurm/local_cluster.sh status
 #   slurm/local_cluster.sh stop
 #
+# HVD_RL_SLURM_CPUS=4 declares more CPUs than the machine has (SlurmdParameters=config_overrides),
+# so that jobs which would queue behind each other on 2 cores run side by side (the sweep tests'
+# two concurrent workers); the default is the machine's own count.
+#
 # Everything lives under $HVD_RL_SLURM_DIR (default /tmp/hvd_rl_slurm; created mode 700, and
 # refused if it is a symlink or someone else's or writable by others); the machine's own
 # /etc/slurm is not touched. Needs root (or passwordless sudo) to install and run the daemons.
@@ -23,7 +27,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/cluster_common.sh"
 write_config() {
   mkdir -p "$STATE/ctld" "$STATE/d" "$STATE/munge"
   local cpus mem_mb
-  cpus="$(nproc --all)"
+  cpus="${HVD_RL_SLURM_CPUS:-$(nproc --all)}"
   mem_mb="$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.9}' /proc/meminfo)"
   cat > "$CONF" <<EOF
 ClusterName=hvdrl
@@ -39,6 +43,7 @@ SlurmdLogFile=$STATE/slurmd.log
 SlurmctldPort=6817
 SlurmdPort=6818
 JobCompLoc=$STATE/jobcomp.log
+$([ "$cpus" != "$(nproc --all)" ] && echo "SlurmdParameters=config_overrides")
 NodeName=$HOST CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
 PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 EOF

@@ -23,7 +23,7 @@ def site(tmp_path_factory):
 
 def test_strict_build_has_every_page(site):
     for page in ("index", "quickstart", "launching", "algorithms", "tracking", "policy", "outputs", "checkpoints",
-                 "performance", "learning", "scaling", "history", "architecture", "contributing",
+                 "performance", "learning", "sweeps", "multiagent", "scaling", "history", "architecture", "contributing",
                  "reference/config", "reference/cli", "deploy/index", "deploy/bare-metal", "deploy/image",
                  "deploy/apptainer", "deploy/kubernetes", "deploy/aws-batch"):
         assert (site / "docs" / f"{page}.html").exists(), page
@@ -51,7 +51,8 @@ def test_configuration_reference_lists_every_field_with_its_default(site):
 
 def test_cli_reference_has_every_subcommand(site):
     text = html.unescape((site / "docs" / "reference" / "cli.html").read_text())
-    for command in ("train", "evaluate", "export", "doctor", "report", "slurm render", "k8s render", "aws-batch"):
+    for command in ("train", "evaluate", "export", "doctor", "report", "slurm render", "k8s render", "aws-batch",
+                    "sweep create", "sweep worker", "sweep seeds"):
         assert f"hvd-rl {command}" in text, command
 
 

@@ -23,13 +23,13 @@ def render(tmp_path: Path, name: str, *options: str) -> Path:
 
 # ---- rendering (no cluster needed) ------------------------------------------------------------
 
-@pytest.mark.parametrize("template", ["cpu", "gpu", "sweep"])
+@pytest.mark.parametrize("template", ["cpu", "gpu", "scaling"])
 def test_rendered_templates_pass_bash_n_and_carry_the_options(tmp_path, template):
     script = render(tmp_path, template, "--template", template, "--nodes", "3", "--ntasks-per-node", "4",
                     "--cpus-per-task", "8", "--time", "1-02:00:00", "--partition", "batch", "--account", "proj42",
                     "--config", "configs/atari_ppo.toml", "--set", "env.id=ALE/Pong-v5", "--set", "ppo.total_timesteps=2e7",
                     "--signal-seconds", "300", *(["--gpus-per-node", "4"] if template == "gpu" else []),
-                    *(["--ranks", "4 8 12", "--sweep-nodes", "1 2 3", "--mode", "strong"] if template == "sweep" else []))
+                    *(["--ranks", "4 8 12", "--sweep-nodes", "1 2 3", "--mode", "strong"] if template == "scaling" else []))
     text = script.read_text()
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=4", "#SBATCH --cpus-per-task=8",
@@ -43,7 +43,7 @@ def test_rendered_templates_pass_bash_n_and_carry_the_options(tmp_path, template
     assert 'source "$HVD_RL_HOME/slurm/lib.sh"' in text and "hvd_rl_train_requeueable" in text
     if template == "gpu":
         assert "#SBATCH --gpus-per-node=4" in text
-    if template == "sweep":
+    if template == "scaling":
         assert "#SBATCH --array=0-2" in text and "RANKS=(4 8 12)" in text and "NODES=(1 2 3)" in text
         assert "MODE=strong" in text
 
@@ -70,7 +70,7 @@ def test_render_rejects_bad_options(tmp_path):
 def test_render_refuses_values_that_would_end_or_inject_a_directive(tmp_path, option, value):
     out = tmp_path / "x.sbatch"
     out.write_text("earlier\n")
-    result = run([BIN / "hvd-rl", "slurm", "render", "--template", "sweep", "--out", out, option, value], timeout=60)
+    result = run([BIN / "hvd-rl", "slurm", "render", "--template", "scaling", "--out", out, option, value], timeout=60)
     assert result.returncode == 2, result.stdout
     assert result.stdout.startswith("hvd-rl: error: " + option) and result.stdout.count("\n") == 1, result.stdout
     assert out.read_text() == "earlier\n"  # nothing written over it
@@ -262,7 +262,7 @@ def test_sbatch_preemption_checkpoints_requeues_and_finishes(slurm_env, tmp_path
 
 def test_sweep_job_array_one_and_two_ranks(slurm_env, tmp_path):
     runs = tmp_path / "runs"
-    script = render(tmp_path, "sweep", "--template", "sweep", "--ranks", "1 2", "--ntasks-per-node", "2",
+    script = render(tmp_path, "sweep", "--template", "scaling", "--ranks", "1 2", "--ntasks-per-node", "2",
                     "--cpus-per-task", "1", "--time", "00:15:00", "--mode", "weak", "--iterations", "2",
                     "--config", "configs/cartpole_ppo.toml", "--run-root", str(runs))
     job = submit(slurm_env, script, tmp_path)

@@ -14,7 +14,8 @@ from pathlib import Path
 from hvd_rl import CHECKOUT
 from hvd_rl.cluster.rendering import RenderError, has_control, show, write_atomically
 
-TEMPLATES = {"cpu": "train_cpu.sbatch", "gpu": "train_gpu.sbatch", "sweep": "scaling_sweep.sbatch",
+TEMPLATES = {"cpu": "train_cpu.sbatch", "gpu": "train_gpu.sbatch", "scaling": "scaling_sweep.sbatch",
+             "sweep": "hyperparameter_sweep.sbatch",
              "learning": "learning_array.sbatch"}
 _TIME = re.compile(r"(\d+-)?\d{1,3}(:\d{2}){0,2}")  # used with fullmatch: no trailing newline
 # What may reach an #SBATCH line. sbatch reads its options up to the first line that is not a
@@ -41,7 +42,8 @@ def template_dir() -> Path:
 
 def add_render_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--template", choices=sorted(TEMPLATES), default="cpu",
-                        help="cpu: CPU nodes; gpu: one rank per GPU with NCCL; sweep: scaling-study job array; "
+                        help="cpu: CPU nodes; gpu: one rank per GPU with NCCL; scaling: scaling-study job array; "
+                             "sweep: hyperparameter sweep, one Optuna worker per array task (--sweep-file); "
                              "learning: learning-benchmark job array, one element per (experiment, seed) of --plan")
     parser.add_argument("--out", "-o", required=True, help="where to write the script")
     parser.add_argument("--job-name", help="#SBATCH --job-name")
@@ -66,10 +68,15 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
                              "template); pyxis: srun --container-image (default apptainer)")
     parser.add_argument("--launcher", choices=["srun", "mpirun", "horovodrun"],
                         help="how ranks are started inside the allocation (default srun --mpi=pmix)")
-    parser.add_argument("--ranks", help="sweep: space-separated rank counts, one array element each")
-    parser.add_argument("--sweep-nodes", help="sweep: space-separated node counts matching --ranks")
-    parser.add_argument("--mode", choices=["weak", "strong"], help="sweep: scaling mode")
-    parser.add_argument("--iterations", type=int, help="sweep: measured iterations per point")
+    parser.add_argument("--ranks", help="scaling: space-separated rank counts, one array element each")
+    parser.add_argument("--sweep-nodes", help="scaling: space-separated node counts matching --ranks")
+    parser.add_argument("--mode", choices=["weak", "strong"], help="scaling: scaling mode")
+    parser.add_argument("--iterations", type=int, help="scaling: measured iterations per point")
+    parser.add_argument("--sweep-file", help="sweep: the sweep file (e.g. configs/sweeps/acrobot_ppo.toml); sets "
+                                             "--ntasks-per-node from its ranks unless given")
+    parser.add_argument("--study-dir", help="sweep: the study directory, on a filesystem every node shares")
+    parser.add_argument("--workers", type=int, help="sweep: array tasks, one worker each (default 4)")
+    parser.add_argument("--concurrency", type=int, help="sweep: array tasks running at once (--array=...%%N)")
     parser.add_argument("--plan", help="learning: the study's plan (e.g. benchmarks/learning_atari.toml); "
                                        "sets --array and, unless given, --ntasks-per-node from it")
 
@@ -92,7 +99,7 @@ def _check(args: argparse.Namespace) -> None:
     # lines quote what they take (shlex.quote); #SBATCH lines cannot quote, so they take only
     # what SLURM itself accepts there.
     for name in ("out", "job_name", "time", "partition", "account", "config", "run_root", "home",
-                 "ranks", "sweep_nodes", "plan", "launcher", "mode", "container"):
+                 "ranks", "sweep_nodes", "plan", "launcher", "mode", "container", "sweep_file", "study_dir"):
         value = getattr(args, name, None)
         if value is not None and (not value.strip() or has_control(value)):
             what = "is empty" if not value.strip() else "contains a newline or control character"
@@ -105,7 +112,8 @@ def _check(args: argparse.Namespace) -> None:
         if value is not None and not pattern.fullmatch(value):
             raise SlurmRenderError(f"--{name.replace('_', '-')} {show(value)} cannot go on an #SBATCH line: "
                                    f"use {allowed}")
-    for name in ("nodes", "ntasks_per_node", "cpus_per_task", "signal_seconds", "iterations"):
+    for name in ("nodes", "ntasks_per_node", "cpus_per_task", "signal_seconds", "iterations", "workers",
+                 "concurrency"):
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise SlurmRenderError(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -166,6 +174,28 @@ def _learning_settings(args: argparse.Namespace, settings: dict[str, str], sbatc
     sbatch["ntasks-per-node"] = sbatch["ntasks-per-node"] or str(-(-max(e.ranks for e in plan.experiments) // nodes))
 
 
+def _sweep_settings(args: argparse.Namespace, settings: dict[str, str], sbatch: dict[str, str | None]) -> None:
+    """One array task per worker, each allocated one trial's ranks (the sweep file's)."""
+    from hvd_rl.cluster.sweeps.spec import SweepError, load_sweep
+
+    if not args.sweep_file or not args.study_dir:
+        raise SlurmRenderError("--template sweep needs --sweep-file and --study-dir")
+    home = Path(args.home or template_dir().parent).resolve()
+    path = Path(args.sweep_file)
+    if not path.is_file() and not path.is_absolute() and (home / path).is_file():
+        path = home / path
+    try:
+        spec = load_sweep(path)
+    except SweepError as exc:
+        raise SlurmRenderError(str(exc)) from None
+    settings["sweep_file"] = shlex.quote(str(path.resolve()))
+    settings["study_dir"] = shlex.quote(args.study_dir)
+    workers = args.workers or 4
+    sbatch["array"] = f"0-{workers - 1}" + (f"%{args.concurrency}" if args.concurrency else "")
+    nodes = int(sbatch["nodes"] or 1)
+    sbatch["ntasks-per-node"] = sbatch["ntasks-per-node"] or str(-(-spec.ranks // nodes))
+
+
 def render_from_args(args: argparse.Namespace) -> Path:
     _check(args)
     template = template_dir() / TEMPLATES[args.template]
@@ -207,7 +237,12 @@ def render_from_args(args: argparse.Namespace) -> Path:
         if args.template != "learning":
             raise SlurmRenderError("--plan belongs to --template learning")
         _learning_settings(args, settings, sbatch)
-    if args.template == "sweep" and args.ranks:
+    sweep_only = [name for name in ("sweep_file", "study_dir", "workers", "concurrency") if getattr(args, name) is not None]
+    if args.template == "sweep":
+        _sweep_settings(args, settings, sbatch)
+    elif sweep_only:
+        raise SlurmRenderError(f"--{sweep_only[0].replace('_', '-')} belongs to --template sweep")
+    if args.template == "scaling" and args.ranks:
         # Every array element gets the same allocation: size it for the largest point.
         ranks = [int(r) for r in args.ranks.split()]
         nodes = [int(n) for n in args.sweep_nodes.split()] if args.sweep_nodes else [1] * len(ranks)

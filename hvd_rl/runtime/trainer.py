@@ -47,8 +47,8 @@ from hvd_rl.runtime.checkpoint import CheckpointError, check_compatible
 from hvd_rl.runtime.checkpointing import restore_rank_state, write_checkpoint
 from hvd_rl.runtime.heap import retain_freed_memory
 from hvd_rl.runtime.metrics import BALANCE_FILE, ENV_SEEDS_FILE, MetricsLogger, RemainingTime
-from hvd_rl.runtime.preemption import (EXIT_PREEMPTED, STOP_FILE, Preempted,  # noqa: F401 - cli's names
-                                       PreemptionFlag, preempted_exit_code, stop_after_checkpoint)
+from hvd_rl.runtime.preemption import (EXIT_PREEMPTED, PRUNE_FILE, STOP_FILE, Preempted,  # noqa: F401 - cli's
+                                       PreemptionFlag, Pruned, preempted_exit_code, stop_after_checkpoint)
 
 # Exit codes, identical on every rank (documented in docs/outputs.md, used by the SLURM templates).
 EXIT_OK = 0
@@ -105,7 +105,7 @@ class Runtime:
         self.threads = dist.configure_threads(self.topo, d.threads_per_rank)
         self.heap_retained = d.retain_freed_memory and retain_freed_memory()
         self.device = dist.select_device(self.topo, d.device)
-        self.preemption = PreemptionFlag(self.run_dir / STOP_FILE)
+        self.preemption = PreemptionFlag(self.run_dir / STOP_FILE, self.run_dir / PRUNE_FILE)
         self.preemption.install()
         torch.manual_seed(cfg.seed)  # identical initial networks everywhere (rank 0's win anyway)
         obs_space, action_space = probe_spaces(cfg)
