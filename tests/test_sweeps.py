@@ -73,6 +73,7 @@ def test_points_refused_only_in_combination_fail_with_the_reason_and_the_study_g
     # ppo.num_steps must be a multiple of ppo.num_minibatches: 60 steps pass with the base's 4
     # minibatches, 8 minibatches pass with the base's 64 steps, 60 with 8 do not.
     spec = sweep_file(tmp_path, trials="2", sampler='"grid"',
+                      overrides='["ppo.total_timesteps=2048", "logging.tensorboard=false", "logging.console=false"]',
                       space={'"ppo.learning_rate"': None, '"ppo.num_minibatches"': "{ grid = [8] }",
                              '"ppo.num_steps"': "{ grid = [60, 64] }"})
     study = tmp_path / "study"
@@ -96,9 +97,9 @@ def test_points_refused_only_in_combination_fail_with_the_reason_and_the_study_g
 ])
 def test_sweeps_combine_with_dqn_compression_and_balance(tmp_path, base, space):
     dqn = "dqn" in base
-    overrides = ('["dqn.total_timesteps=3000", "dqn.learning_starts=500", "logging.tensorboard=false", '
+    overrides = ('["dqn.total_timesteps=2000", "dqn.learning_starts=500", "logging.tensorboard=false", '
                  '"logging.console=false"]' if dqn else
-                 '["ppo.total_timesteps=4096", "ppo.num_steps=64", "logging.tensorboard=false", '
+                 '["ppo.total_timesteps=2048", "ppo.num_steps=64", "logging.tensorboard=false", '
                  '"logging.console=false", "distributed.balance_every=2"]')
     spec = sweep_file(tmp_path, config=f'"{base}"', trials="1" if dqn else "2", sampler='"grid"',
                       overrides=overrides, space=space)
@@ -138,9 +139,9 @@ def iterations(run_dir: Path) -> list[int]:
 
 
 def test_killed_worker_is_retried_and_a_preempted_trial_resumes_as_the_same_trial(tmp_path):
-    spec = sweep_file(tmp_path, trials="2", overrides='["ppo.total_timesteps=8192", "ppo.num_steps=64", '
+    spec = sweep_file(tmp_path, trials="2", overrides='["ppo.total_timesteps=6144", "ppo.num_steps=64", '
                       '"logging.tensorboard=false", "logging.console=false", "checkpoint.every=1", '
-                      '"debug.iteration_sleep=0.5"]')
+                      '"debug.iteration_sleep=0.4"]')
     study = tmp_path / "study"
     check(sweep("create", "--sweep", spec, "--study-dir", study, "--heartbeat", "1", "--grace", "5"))
     first = study / "trials" / "0000" / "CartPole-v1-seed1"
@@ -180,7 +181,7 @@ def test_killed_worker_is_retried_and_a_preempted_trial_resumes_as_the_same_tria
     assert by_number[1]["params"] == by_number[0]["params"] == next(t for t in final if t["number"] == 1)["params"]
     # the run continued across both interruptions, never restarted from iteration 1
     its = iterations(first)
-    assert its == list(range(1, len(its) + 1)) and its[-1] == 8192 // (2 * 4 * 64), its
+    assert its == list(range(1, len(its) + 1)) and its[-1] == 6144 // (2 * 4 * 64), its
     assert killed_at < preempted_at < its[-1]
     logs = (first.parent / "CartPole-v1-seed1.log").read_text()
     assert logs.count("starting a new run") == 1 and logs.count("preempted at iteration") == 2, logs
@@ -226,7 +227,7 @@ def slurm_4cpu(tmp_path_factory):
 
 def test_slurm_array_of_two_workers_runs_a_pruned_study_to_its_budget(slurm_4cpu, tmp_path):
     spec = sweep_file(tmp_path, "arr", trials="8", pruner='"median"', startup_trials="2",
-                      overrides='["ppo.total_timesteps=6144", "ppo.num_steps=64", "logging.tensorboard=false", '
+                      overrides='["ppo.total_timesteps=4096", "ppo.num_steps=64", "logging.tensorboard=false", '
                                 '"logging.console=false"]',
                       space={'"ppo.learning_rate"': "{ log_uniform = [1e-5, 3e-2] }"})
     study = tmp_path / "study"
