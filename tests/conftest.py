@@ -34,6 +34,19 @@ def missing_prerequisite(what: str) -> None:
     pytest.skip(what)
 
 
+def wait_until(predicate, timeout: float, what: str, poll: float = 1.0):
+    """predicate()'s first truthy value, or a test failure naming `what` after `timeout` seconds."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
 def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = mpi_env()  # root allowance for Open MPI, this venv's bin first on PATH
     env["PYTHONUNBUFFERED"] = "1"

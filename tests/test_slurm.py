@@ -3,12 +3,11 @@ import json
 import os
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import BIN, REPO, check, launch_env, missing_prerequisite, read_jsonl, run
+from conftest import BIN, REPO, check, launch_env, missing_prerequisite, read_jsonl, run, wait_until
 from hvd_rl.runtime.checkpoint import load_checkpoint
 
 CLUSTER = REPO / "slurm" / "local_cluster.sh"
@@ -172,16 +171,6 @@ def jobs(env, job_id: str) -> list[dict[str, str]]:
     """One dict per job (or array element) from `scontrol show job -o`."""
     out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True, text=True).stdout
     return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines() if line.strip()]
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
 def submit(env, script: Path, cwd: Path) -> str:

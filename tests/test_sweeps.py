@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, REPO, check, launch_env, missing_prerequisite, run
+from conftest import BIN, REPO, check, launch_env, missing_prerequisite, run, wait_until
 from hvd_rl.runtime.metrics import read_jsonl  # [] while the file is not there yet
 
 CLUSTER = REPO / "slurm" / "local_cluster.sh"
@@ -117,21 +117,22 @@ def test_sweeps_combine_with_dqn_compression_and_balance(tmp_path, base, space):
             assert f"{key.split('.')[-1]} = {json.dumps(value) if isinstance(value, str) else value}" in config
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--template", "sweep", "--study-dir", "s"], "needs --sweep-file and --study-dir"),
+    (["--template", "cpu", "--study-dir", "s"], "--study-dir belongs to --template sweep"),
+    (["--template", "sweep", "--study-dir", "s", "--sweep-file", "missing.toml"], "sweep file not found"),
+])
+def test_the_sweep_template_refuses_what_it_cannot_render(tmp_path, options, message):
+    result = run([BIN / "hvd-rl", "slurm", "render", "--out", tmp_path / "x.sbatch", *options], timeout=60)
+    assert result.returncode == 2 and message in result.stdout and result.stdout.count("\n") == 1, result.stdout
+    assert not (tmp_path / "x.sbatch").exists()
+
+
 # ---- a worker's life: pruning, SIGKILL, SIGTERM ------------------------------------------------
 
 def start_worker(study: Path, log: Path) -> subprocess.Popen:
     return subprocess.Popen([str(BIN / "hvd-rl"), "sweep", "worker", "--study-dir", str(study)],
                             env=launch_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
 def iterations(run_dir: Path) -> list[int]:
@@ -148,17 +149,17 @@ def test_killed_worker_is_retried_and_a_preempted_trial_resumes_as_the_same_tria
 
     # 1. SIGKILL mid-trial: no word to anyone; the launcher dies with it (PDEATHSIG).
     worker = start_worker(study, tmp_path / "w1.log")
-    wait_for(lambda: len(iterations(first)) >= 3, 120, "trial 0 to train 3 iterations")
+    wait_until(lambda: len(iterations(first)) >= 3, 120, "trial 0 to train 3 iterations")
     worker.send_signal(signal.SIGKILL)
     worker.wait(timeout=10)
     killed_at = max(iterations(first))
-    wait_for(lambda: subprocess.run(["pgrep", "-f", f"--run-dir {first}"]).returncode != 0, 30,
+    wait_until(lambda: subprocess.run(["pgrep", "-f", f"--run-dir {first}"]).returncode != 0, 30,
              "trial 0's ranks to die with their worker")
 
     # 2. the next worker finds trial 0's heartbeat stale, retries it in trial 0's directory;
     #    SIGTERM it mid-way through the retry: checkpoint, back in the queue, exit 75.
     worker = start_worker(study, tmp_path / "w2.log")
-    wait_for(lambda: len(trials(study)) >= 2 and len(iterations(first)) >= killed_at + 2, 120,
+    wait_until(lambda: len(trials(study)) >= 2 and len(iterations(first)) >= killed_at + 2, 120,
              "the retry to resume trial 0's run and train on")
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(timeout=60) == 75, (tmp_path / "w2.log").read_text()
@@ -198,7 +199,7 @@ def test_pruned_trial_stops_all_ranks_together_with_exit_0(tmp_path):
                              str(run_dir), "--set", "ppo.total_timesteps=16384", "--set", "ppo.num_steps=64",
                              "--set", "logging.tensorboard=false", "--set", "debug.iteration_sleep=0.3"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wait_for(lambda: len(iterations(run_dir)) >= 2, 120, "two iterations")
+    wait_until(lambda: len(iterations(run_dir)) >= 2, 120, "two iterations")
     (run_dir / PRUNE_FILE).touch()
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out

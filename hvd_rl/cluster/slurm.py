@@ -155,14 +155,20 @@ def render(template_text: str, sbatch: dict[str, str | None], settings: dict[str
     return "\n".join(lines) + "\n"
 
 
+def _home_file(args: argparse.Namespace, given: str) -> Path:
+    """A file named on the command line: as given, else relative to the checkout (--home)."""
+    home = Path(args.home or template_dir().parent).resolve()
+    path = Path(given)
+    if not path.is_file() and not path.is_absolute() and (home / path).is_file():
+        path = home / path
+    return path
+
+
 def _learning_settings(args: argparse.Namespace, settings: dict[str, str], sbatch: dict[str, str | None]) -> None:
     """One array element per (experiment, seed), each allocated the plan's largest rank count."""
     from hvd_rl.analysis.study import PlanError, load_plan
 
-    home = Path(args.home or template_dir().parent).resolve()
-    path = Path(args.plan)
-    if not path.is_file() and not path.is_absolute() and (home / path).is_file():
-        path = home / path
+    path = _home_file(args, args.plan)
     try:
         plan = load_plan(path)
     except PlanError as exc:
@@ -180,10 +186,7 @@ def _sweep_settings(args: argparse.Namespace, settings: dict[str, str], sbatch: 
 
     if not args.sweep_file or not args.study_dir:
         raise SlurmRenderError("--template sweep needs --sweep-file and --study-dir")
-    home = Path(args.home or template_dir().parent).resolve()
-    path = Path(args.sweep_file)
-    if not path.is_file() and not path.is_absolute() and (home / path).is_file():
-        path = home / path
+    path = _home_file(args, args.sweep_file)
     try:
         spec = load_sweep(path)
     except SweepError as exc:
