@@ -91,6 +91,7 @@ def run_benchmarl(python: Path, scenario: str, frames: int, seed: int, out: Path
 
 
 def run_hvd_rl(scenario: str, frames: int, seed: int, ranks: int, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
     run_dir = out / "run"
     config = REPO / "configs" / f"vmas_{scenario}_mappo.toml"
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
