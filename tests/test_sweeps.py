@@ -140,9 +140,9 @@ def iterations(run_dir: Path) -> list[int]:
 
 
 def test_killed_worker_is_retried_and_a_preempted_trial_resumes_as_the_same_trial(tmp_path):
-    spec = sweep_file(tmp_path, trials="2", overrides='["ppo.total_timesteps=6144", "ppo.num_steps=64", '
+    spec = sweep_file(tmp_path, trials="2", overrides='["ppo.total_timesteps=8192", "ppo.num_steps=64", '
                       '"logging.tensorboard=false", "logging.console=false", "checkpoint.every=1", '
-                      '"debug.iteration_sleep=0.4"]')
+                      '"debug.iteration_sleep=0.5"]')
     study = tmp_path / "study"
     check(sweep("create", "--sweep", spec, "--study-dir", study, "--heartbeat", "1", "--grace", "5"))
     first = study / "trials" / "0000" / "CartPole-v1-seed1"
@@ -155,6 +155,7 @@ def test_killed_worker_is_retried_and_a_preempted_trial_resumes_as_the_same_tria
     killed_at = max(iterations(first))
     wait_until(lambda: subprocess.run(["pgrep", "-f", f"--run-dir {first}"]).returncode != 0, 30,
              "trial 0's ranks to die with their worker")
+    time.sleep(6)  # past the 5 s grace: the next worker finds trial 0 stale before it asks for a trial
 
     # 2. the next worker finds trial 0's heartbeat stale, retries it in trial 0's directory;
     #    SIGTERM it mid-way through the retry: checkpoint, back in the queue, exit 75.
@@ -182,7 +183,7 @@ def test_killed_worker_is_retried_and_a_preempted_trial_resumes_as_the_same_tria
     assert by_number[1]["params"] == by_number[0]["params"] == next(t for t in final if t["number"] == 1)["params"]
     # the run continued across both interruptions, never restarted from iteration 1
     its = iterations(first)
-    assert its == list(range(1, len(its) + 1)) and its[-1] == 6144 // (2 * 4 * 64), its
+    assert its == list(range(1, len(its) + 1)) and its[-1] == 8192 // (2 * 4 * 64), its
     assert killed_at < preempted_at < its[-1]
     logs = (first.parent / "CartPole-v1-seed1.log").read_text()
     assert logs.count("starting a new run") == 1 and logs.count("preempted at iteration") == 2, logs
