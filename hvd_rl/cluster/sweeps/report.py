@@ -161,7 +161,7 @@ def write_report(study: Study) -> Path:
         lines += ["", "Failed trials:", ""] + [f"- trial {row['number']}: {row['failed_because']}" for row in failed]
     seeds = out / "seeds.md"
     if seeds.exists():
-        lines += ["", seeds.read_text()]
+        lines += ["", "#" + seeds.read_text()]  # its title one level down
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out / "report.md"
 

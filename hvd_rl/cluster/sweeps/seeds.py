@@ -125,7 +125,7 @@ def _plot(spec, results: dict, references: list, path: Path) -> None:
 
 
 def _markdown(spec, best_number: int, results: dict, references: list, seeds: int, first_seed: int) -> str:
-    lines = [f"## Seed study: {seeds} seeds ({first_seed}-{first_seed + seeds - 1}, not the trials' seeds)", "",
+    lines = [f"# Seed study: {seeds} seeds ({first_seed}-{first_seed + seeds - 1}, not the trials' seeds)", "",
              "| config | mean | std | IQM [95% CI] | per seed |", "| --- | --- | --- | --- | --- |"]
     for label, r in results.items():
         name = f"best (trial {best_number})" if label == "best" else "defaults (the sweep's base config)"
