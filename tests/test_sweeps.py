@@ -142,7 +142,7 @@ def iterations(run_dir: Path) -> list[int]:
 def test_killed_worker_is_retried_and_a_preempted_trial_resumes_as_the_same_trial(tmp_path):
     spec = sweep_file(tmp_path, trials="2", overrides='["ppo.total_timesteps=8192", "ppo.num_steps=64", '
                       '"logging.tensorboard=false", "logging.console=false", "checkpoint.every=1", '
-                      '"debug.iteration_sleep=0.5"]')
+                      '"debug.iteration_sleep=1.0"]')  # slow enough to be preempted mid-retry
     study = tmp_path / "study"
     check(sweep("create", "--sweep", spec, "--study-dir", study, "--heartbeat", "1", "--grace", "5"))
     first = study / "trials" / "0000" / "CartPole-v1-seed1"
@@ -161,7 +161,7 @@ def test_killed_worker_is_retried_and_a_preempted_trial_resumes_as_the_same_tria
     #    SIGTERM it mid-way through the retry: checkpoint, back in the queue, exit 75.
     worker = start_worker(study, tmp_path / "w2.log")
     wait_until(lambda: len(trials(study)) >= 2 and len(iterations(first)) >= killed_at + 2, 120,
-             "the retry to resume trial 0's run and train on")
+               "the retry to resume trial 0's run and train on", poll=0.2)
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(timeout=60) == 75, (tmp_path / "w2.log").read_text()
     log2 = (tmp_path / "w2.log").read_text()
