@@ -25,7 +25,7 @@ from hvd_rl.cluster.sweeps.worker import (EXIT_PREEMPTED, WorkerSignals, _die_wi
                                           launch_command, mean_last, run_name)
 
 
-def _train(study: Study, run_dir: Path, overrides: list[str], ranks: int, launcher: str,
+def _train(run_dir: Path, overrides: list[str], ranks: int, launcher: str,
            signals: WorkerSignals, config: Path) -> int:
     args = ["train", "--config", str(config), "--run-dir", str(run_dir), "--resume", "auto"]
     for text in overrides:
@@ -61,7 +61,7 @@ def run_seed_study(study: Study, seeds: int, first_seed: int, ranks: int | None,
             env_scores = []
             for env_id in spec.env_ids():
                 run_dir = study.dir / "seeds" / label / run_name(env_id, seed)
-                code = _train(study, run_dir, spec.run_overrides(params, env_id, seed), ranks, launcher, signals,
+                code = _train(run_dir, spec.run_overrides(params, env_id, seed), ranks, launcher, signals,
                               spec.config_path)
                 if code == EXIT_PREEMPTED or (run_dir / "preempted.json").exists() or signals.requested:
                     raise SystemExit(EXIT_PREEMPTED)  # checkpointed: rerunning the command resumes

@@ -60,8 +60,9 @@ def mean_last(returns: list[float], n: int) -> float | None:
     return sum(tail) / len(tail) if tail else None
 
 
-def episode_returns(run_dir: Path, up_to_step: int | None = None) -> list[float]:
-    rows = read_jsonl(run_dir / EPISODES_FILE) if (run_dir / EPISODES_FILE).exists() else []
+def episode_returns(run_dir: Path, up_to_step: int | None = None, rows: list[dict] | None = None) -> list[float]:
+    """Returns of the run's finished episodes (up to a global step); `rows`: episodes.jsonl already read."""
+    rows = read_jsonl(run_dir / EPISODES_FILE) if rows is None else rows
     return [float(r["return"]) for r in rows if up_to_step is None or r["global_step"] <= up_to_step]
 
 
@@ -292,13 +293,16 @@ class Worker:
         spec = self.spec
         step_now = _last_step(run_dir)
         reported = self._frozen(trial).intermediate_values
+        rows = None
         prune = False
         for k in range(1, spec.reports_per_run + 1):
             at_step = total * k // spec.reports_per_run
             step = index * spec.reports_per_run + k
             if at_step > step_now or step in reported:
                 continue
-            running = mean_last(episode_returns(run_dir, at_step), spec.objective.last_episodes)
+            if rows is None:  # read once per look, whatever the number of reports it makes
+                rows = read_jsonl(run_dir / EPISODES_FILE)
+            running = mean_last(episode_returns(run_dir, at_step, rows), spec.objective.last_episodes)
             if running is None:
                 continue
             value = (sum(done_scores) + spec.objective.score(env_id, running)) / (len(done_scores) + 1)
