@@ -153,7 +153,7 @@ def test_killed_worker_is_retried_and_a_preempted_trial_resumes_as_the_same_tria
     worker.send_signal(signal.SIGKILL)
     worker.wait(timeout=10)
     killed_at = max(iterations(first))
-    wait_until(lambda: subprocess.run(["pgrep", "-f", f"--run-dir {first}"]).returncode != 0, 30,
+    wait_until(lambda: subprocess.run(["pgrep", "-f", "--", f"--run-dir {first}"]).returncode != 0, 30,
              "trial 0's ranks to die with their worker")
     time.sleep(6)  # past the 5 s grace: the next worker finds trial 0 stale before it asks for a trial
 
