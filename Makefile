@@ -1,7 +1,8 @@
 # The two commands a fresh machine needs (each runs the idempotent setup first):
 #   make train   # the main job: Atari PPO preset on NP ranks with mpirun (resumable)
-#   make test    # the whole test suite (real ranks, Horovod, SLURM, ALE, containers)
+#   make test    # the test suite CI runs (real ranks, Horovod, SLURM, ALE), within 45 minutes on 2 cores
 # More:
+#   make test-long  # the long suite it leaves out (containers, GPU dry run, ...; tests/conftest.py LONG_TESTS)
 #   make image   # the OCI image (containers/Containerfile) with podman; BASE=... IMAGE=...
 #   make sif     # the Apptainer image from it (needs apptainer)
 #   make docs    # the docs site (strict build); open docs/_build/html/docs/index.html
@@ -20,7 +21,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 IMAGE   ?= localhost/hvd-rl:cpu
 BASE    ?=
 
-.PHONY: setup setup-slurm train test doctor image sif docs
+.PHONY: setup setup-slurm train test test-long doctor image sif docs
 setup:
 	scripts/setup.sh
 
@@ -33,6 +34,9 @@ train: setup
 
 test: setup-slurm
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+test-long: setup-slurm
+	$(VENV)/bin/python -m pytest -m long $(PYTEST_ARGS)
 
 doctor: setup
 	$(VENV)/bin/hvd-rl doctor

@@ -71,7 +71,7 @@ for rate in "${RATES[@]}"; do
   label="$(label_of "$rate")"
   rm -rf "${OUT:?}/$label"
   mkdir -p "$OUT/$label"
-  "$BIN/hvd-rl" slurm render --template sweep --job-name "sweep-$label" --ranks "$RANKS" --sweep-nodes "$NODES" \
+  "$BIN/hvd-rl" slurm render --template scaling --job-name "sweep-$label" --ranks "$RANKS" --sweep-nodes "$NODES" \
       --mode weak --ntasks-per-node 1 --cpus-per-task 1 --iterations "$ITERATIONS" --time 00:30:00 \
       --config "$CONFIG" "${SET_ARGS[@]}" --run-root "$OUT/$label" --out "$OUT/$label/sweep.sbatch" >/dev/null
 done

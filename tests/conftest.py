@@ -25,6 +25,49 @@ QUICK = ["logging.tensorboard=false", "env.num_envs=2", "ppo.num_steps=32",
 
 IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
 
+# The long suite (`make test-long`, `pytest -m long`): end-to-end scenarios that repeat, at more
+# cost, a property a default test already holds, or that exercise tooling outside the training
+# path (the GPU machine's dry run, a whole new venv, the OCI image). `make test` (CI) leaves them
+# out to stay within its 45 minutes on 2 cores; run them when you change what they cover.
+# Node-id prefixes, with their measured seconds (2-core AMD EPYC, 2026-12-07; the image build is
+# ~380 s more on a fresh machine).
+LONG_TESTS = {
+    "tests/test_containers.py": 215,  # + the image build; the AWS Batch rendezvous itself: test_aws_batch_rendezvous.py
+    "tests/test_gpu_bundle.py::test_device_script_dry_run_runs_every_step_on_cpu": 273,
+    "tests/test_setup.py::test_new_venv_uses_cached_horovod_wheel_and_rerun_is_fast": 181,  # .ci/run runs setup itself
+    "tests/test_learning_report.py::test_study_skips_completed_runs_and_resumes_an_interrupted_one": 90,
+    "tests/test_learning_report.py::test_learning_array_renders_from_the_plan_and_runs_an_element": 28,
+    "tests/test_slurm.py::test_sbatch_preemption_checkpoints_requeues_and_finishes[mpirun-TERM-sync]": 90,
+    "tests/test_slurm.py::test_sbatch_preemption_checkpoints_requeues_and_finishes[mpirun-USR1-sync]": 37,
+    "tests/test_slurm.py::test_sbatch_preemption_checkpoints_requeues_and_finishes[srun-USR1-sync]": 35,
+    "tests/test_node_faults.py::test_sbatch_job_requeued_after_node_crash_resumes_to_total": 60,
+    "tests/test_trainer.py::test_cartpole_two_ranks_learns": 53,  # learning: benchmarks/learning.py
+    "tests/test_trainer.py::test_steady_state_iterations_touch_no_new_memory": 27,
+    "tests/test_trainer.py::test_atari_breakout_two_ranks_two_iterations[async-4]": 18,
+    "tests/test_benchmarks.py::test_throughput_benchmark_machine_limit_and_ratios_are_consistent": 56,
+    "tests/test_report.py::test_small_real_sweep_end_to_end_matches_raw_jsonl": 38,
+    "tests/test_tracking.py::test_preempted_twice_offline_run_syncs_as_one_run_on_one_step_axis": 36,
+    "tests/test_fault_tolerance.py::test_elastic_training_grows_when_a_host_appears": 38,
+    "tests/test_fault_tolerance.py::test_resume_auto_follows_the_newest_branch_after_a_rollback[5]": 24,
+    "tests/test_fault_tolerance.py::test_bad_checkpoint_is_refused_by_every_rank_and_run_dir_untouched[truncated]": 15,
+    "tests/test_fault_tolerance.py::test_bad_checkpoint_is_refused_by_every_rank_and_run_dir_untouched[other_model]": 16,
+    "tests/test_policy.py::test_onnx_and_torchscript_match_pytorch_on_real_observations[pendulum-mean]": 29,
+    "tests/test_policy.py::test_onnx_and_torchscript_match_pytorch_on_real_observations[dqn-q_values]": 22,
+    "tests/test_policy.py::test_video_and_gif_of_greedy_games[hopper-size2]": 20,
+    "tests/test_distributed.py::test_uneven_shares_three_plus_five_envs_equal_eight_in_one_process[mlp]": 14,
+    "tests/test_distributed.py::test_two_ranks_on_half_batches_equal_one_process_on_whole_batch[mlp]": 15,
+    "tests/test_dqn.py::test_resume_with_and_without_the_replay_shards[False]": 20,
+    "tests/test_multinode.py::test_training_across_two_nodes[1-": 15,
+    "tests/test_multinode.py::test_sbatch_template_across_two_nodes[mpirun]": 10,
+    "tests/test_multinode.py::test_sbatch_template_across_two_nodes[horovodrun]": 10,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.nodeid.startswith(prefix) for prefix in LONG_TESTS):
+            item.add_marker(pytest.mark.long)
+
 
 def missing_prerequisite(what: str) -> None:
     """A prerequisite is missing. Under CI (`CI=1`, set by CI's `.ci/run`) `make test` should have
