@@ -60,6 +60,11 @@ LONG_TESTS = {
     "tests/test_multinode.py::test_training_across_two_nodes[1-": 15,
     "tests/test_multinode.py::test_sbatch_template_across_two_nodes[mpirun]": 10,
     "tests/test_multinode.py::test_sbatch_template_across_two_nodes[horovodrun]": 10,
+    "tests/test_node_faults.py::test_elastic_job_survives_a_node_crash_and_regrows_when_it_boots": 34,
+    "tests/test_fault_tolerance.py::test_resume_of_a_finished_run_without_its_summary_writes_it": 17,
+    "tests/test_distributed.py::test_fp16_compression_stays_close_but_not_exact": 15,
+    "tests/test_policy.py::test_video_and_gif_of_greedy_games[cartpole-size1]": 15,
+    "tests/test_dqn.py::test_three_ranks_learn_with_learning_starts_equal_to_buffer_size": 13,
 }
 
 
