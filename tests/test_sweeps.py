@@ -268,3 +268,27 @@ def test_slurm_array_of_two_workers_runs_a_pruned_study_to_its_budget(slurm_4cpu
         assert (study / "report" / name).exists(), name
     best = (study / "report" / "best.toml").read_text()
     assert "learning_rate" in best and "Best trial" in best
+
+
+def test_seed_study_runs_the_best_trial_and_the_defaults_on_fresh_seeds(tmp_path):
+    spec = sweep_file(tmp_path, "seeds", trials="1", ranks="1",
+                      overrides='["ppo.total_timesteps=2048", "ppo.num_steps=64", "logging.tensorboard=false", '
+                                '"logging.console=false"]')
+    study = tmp_path / "study"
+    check(sweep("create", "--sweep", spec, "--study-dir", study))
+    check(sweep("worker", "--study-dir", study, timeout=240))
+    best = next(t for t in trials(study) if t["state"] == "COMPLETE")
+    check(sweep("seeds", "--study-dir", study, "--seeds", "2", "--first-seed", "1000", timeout=300))
+    report = json.loads((study / "report" / "seeds.json").read_text())
+    assert report["seeds"] == [1000, 1001] and report["best_trial"] == best["number"]
+    assert report["results"]["best"]["params"] == best["params"] and report["results"]["defaults"]["params"] == {}
+    for label in ("best", "defaults"):
+        assert sorted(report["results"][label]["per_seed"]) == ["1000", "1001"]
+        for seed in (1000, 1001):
+            run_dir = study / "seeds" / label / f"CartPole-v1-seed{seed}"
+            summary = json.loads((run_dir / "summary.json").read_text())
+            assert summary["global_step"] == 2048, summary
+            assert f"seed = {seed}" in (run_dir / "config.toml").read_text()
+    lr = (study / "seeds" / "best" / "CartPole-v1-seed1000" / "config.toml").read_text()
+    assert repr(best["params"]["ppo.learning_rate"])[:8] in lr  # the best trial's point, not the default
+    assert (study / "report" / "seeds.md").exists() and (study / "report" / "seeds.png").exists()

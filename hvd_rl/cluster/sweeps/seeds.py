@@ -10,7 +10,6 @@ picks seeds.md up).
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +20,15 @@ from hvd_rl.analysis.learning import load_references
 from hvd_rl.cluster.sweeps.report import REPORT_DIR, _best, best_config_toml
 from hvd_rl.cluster.sweeps.spec import SweepError
 from hvd_rl.cluster.sweeps.storage import Study
-from hvd_rl.cluster.sweeps.worker import (EXIT_PREEMPTED, WorkerSignals, _die_with_parent, episode_returns,
-                                          launch_command, mean_last, run_name)
+from hvd_rl.cluster.sweeps.worker import (EXIT_PREEMPTED, WorkerSignals, episode_returns, mean_last, run_name,
+                                          start_train)
 
 
 def _train(run_dir: Path, overrides: list[str], ranks: int, launcher: str,
            signals: WorkerSignals, config: Path) -> int:
-    args = ["train", "--config", str(config), "--run-dir", str(run_dir), "--resume", "auto"]
-    for text in overrides:
-        args += ["--set", text]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    command, env = launch_command(launcher, ranks, args)
+    proc = start_train(launcher, ranks, config, run_dir, overrides)
     signals.run_dir = run_dir
-    with open(run_dir.with_name(run_dir.name + ".log"), "a") as log:
-        code = subprocess.call(command, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    code = proc.wait()
     signals.run_dir = None
     return code
 
@@ -96,8 +90,8 @@ def _references(spec) -> list[dict[str, Any]]:
     out = []
     for ref in refs:
         if ref.points:
-            step, value = ref.points[-1][0], ref.points[-1][1]
-            out.append({"label": ref.label, "step": step, "value": value, "source": ref.source})
+            end = ref.points[-1]
+            out.append({"label": ref.label, "step": end.step, "value": end.value, "source": ref.source})
     return out
 
 

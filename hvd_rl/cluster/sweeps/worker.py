@@ -91,6 +91,18 @@ def launch_command(launcher: str, ranks: int, train_args: list[str]) -> tuple[li
             *train_args], env
 
 
+def start_train(launcher: str, ranks: int, config: Path, run_dir: Path, overrides: list[str]) -> subprocess.Popen:
+    """`hvd-rl train --resume auto` of one run (a trial's or a seed study's), its output appended to
+    RUN_DIR.log beside the run directory; the launcher dies with this process."""
+    train_args = ["train", "--config", str(config), "--run-dir", str(run_dir), "--resume", "auto"]
+    for text in overrides:
+        train_args += ["--set", text]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command, env = launch_command(launcher, ranks, train_args)
+    with open(run_dir.with_name(run_dir.name + ".log"), "a") as log:
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+
+
 class WorkerSignals:
     """Preemption of the worker: remembered, and passed to the running training as its stop file."""
 
@@ -245,32 +257,27 @@ class Worker:
              done_scores: list[float]) -> RunOutcome:
         """One `hvd-rl train` of the trial: launched, watched, reported, maybe pruned."""
         spec = self.spec
-        total = spec.base_config(spec.run_overrides(params, env_id, seed)).total_timesteps
-        train_args = ["train", "--config", str(spec.config_path), "--run-dir", str(run_dir), "--resume", "auto"]
-        for text in spec.run_overrides(params, env_id, seed):
-            train_args += ["--set", text]
+        overrides = spec.run_overrides(params, env_id, seed)
+        total = spec.base_config(overrides).total_timesteps
         run_dir.mkdir(parents=True, exist_ok=True)
         for stale in (STOP_FILE, PRUNE_FILE, PREEMPTED_MARKER, PRUNED_MARKER):
             (run_dir / stale).unlink(missing_ok=True)
-        command, env = launch_command(self.launcher, self.ranks, train_args)
         start = time.time()
-        with open(run_dir.with_name(run_dir.name + ".log"), "a") as log:
-            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    preexec_fn=_die_with_parent)
-            self.signals.run_dir = run_dir
-            if self.signals.requested:
-                (run_dir / STOP_FILE).touch()
-            pruning = False
-            while True:
-                try:
-                    code = proc.wait(timeout=POLL_SECONDS)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                if not pruning and self._report(trial, index, run_dir, env_id, total, done_scores):
-                    (run_dir / PRUNE_FILE).touch()
-                    pruning = True
-            self.signals.run_dir = None
+        proc = start_train(self.launcher, self.ranks, spec.config_path, run_dir, overrides)
+        self.signals.run_dir = run_dir
+        if self.signals.requested:
+            (run_dir / STOP_FILE).touch()
+        pruning = False
+        while True:
+            try:
+                code = proc.wait(timeout=POLL_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if not pruning and self._report(trial, index, run_dir, env_id, total, done_scores):
+                (run_dir / PRUNE_FILE).touch()
+                pruning = True
+        self.signals.run_dir = None
         trial.set_user_attr("wall_seconds", float(trial.user_attrs.get("wall_seconds", 0.0)) + time.time() - start)
         returns = episode_returns(run_dir)
         steps = _last_step(run_dir)
