@@ -140,7 +140,8 @@ def test_accepted_combination_runs_to_exactly_total_timesteps(tmp_path, row):
 
 
 # Launched: the refused rows on several ranks (the ones where "every rank" says something); every
-# refused row's message is checked in-process above (REFUSED holds only rows validate() refuses).
+# refused row's message is checked in-process (test_every_refusal_is_one_line; REFUSED holds only rows
+# validate() refuses).
 LAUNCHED_REFUSALS = [row for row in REFUSED if row.ranks > 1]
 
 

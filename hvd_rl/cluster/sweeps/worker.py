@@ -259,7 +259,6 @@ class Worker:
         spec = self.spec
         overrides = spec.run_overrides(params, env_id, seed)
         total = spec.base_config(overrides).total_timesteps
-        run_dir.mkdir(parents=True, exist_ok=True)
         for stale in (STOP_FILE, PRUNE_FILE, PREEMPTED_MARKER, PRUNED_MARKER):
             (run_dir / stale).unlink(missing_ok=True)
         start = time.time()
