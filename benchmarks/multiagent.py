@@ -12,7 +12,10 @@ episodes pooled, with a 95% confidence interval from a two-level bootstrap (seed
 episodes within each), so the interval carries the spread between seeds, which with 3 seeds is
 most of the uncertainty. Task statistics (collision and arrival rates) are averaged over the same
 last iterations. Baselines play the same task in one process: `random` (uniform actions) and, for
-the intersection, `idle` (every vehicle keeps its speed: highway-env's IDLE action), over
+the intersection, `idle` (every vehicle keeps its speed: highway-env's IDLE action) and
+`staggered`, a hand-written coordination to show what is reachable: vehicle i brakes for its first
+2i+1 decisions, then accelerates, so the four cross one after another (it knows the clock and
+its index; a learned policy sees neither, only the vehicles around it). Each over
 --baseline-episodes episodes with the IQM and the same kind of interval.
 
 Writes <out>/<plan name>.json, .md (the table) and .png (mean curves over seeds, min-max bands,
@@ -36,7 +39,7 @@ from hvd_rl.analysis.study import load_plan  # noqa: E402
 from hvd_rl.envs.multiagent import make_multiagent_envs  # noqa: E402
 from hvd_rl.runtime.metrics import read_jsonl  # noqa: E402
 
-IDLE = 1  # highway-env's "keep the target speed"
+SLOWER, IDLE, FASTER = 0, 1, 2  # highway-env's DiscreteMetaAction speed commands
 
 
 def play_baseline(env_id: str, num_agents: int, max_steps: int, policy: str, episodes: int,
@@ -49,14 +52,22 @@ def play_baseline(env_id: str, num_agents: int, max_steps: int, policy: str, epi
     try:
         envs.reset(list(range(seed, seed + 8)))
         shape = (envs.num_envs, envs.spec.num_agents)
+        clock = np.zeros(envs.num_envs, int)  # decisions since each environment's reset
+        start_after = 2 * np.arange(envs.spec.num_agents) + 1
         while len(finished) < episodes:
             if policy == "idle":
                 actions = np.full(shape, IDLE)
+            elif policy == "staggered":
+                actions = np.where(clock[:, None] < start_after[None, :], SLOWER, FASTER)
             elif hasattr(space, "n"):
                 actions = rng.integers(0, space.n, shape)
             else:
                 actions = rng.uniform(space.low, space.high, shape + space.shape).astype(np.float32)
-            finished.extend(envs.step(actions).episodes)
+            ended = envs.step(actions).episodes
+            clock += 1
+            for episode in ended:
+                clock[episode.env] = 0
+            finished.extend(ended)
     finally:
         envs.close()
     finished = finished[:episodes]
@@ -165,7 +176,7 @@ def main() -> int:
 
     cfg = load_config(first.config_path, list(first.overrides))
     env_id = first.env or cfg.env.id
-    policies = ["random", "idle"] if env_id.startswith("highway/") else ["random"]
+    policies = ["random", "idle", "staggered"] if env_id.startswith("highway/") else ["random"]
     baselines = [play_baseline(env_id, cfg.multiagent.num_agents, cfg.env.max_episode_steps, p,
                                args.baseline_episodes) for p in policies]
     out = Path(args.out)

@@ -238,7 +238,8 @@ def test_numpy_kinematics_is_highway_envs_own_observation():
 
 def test_intersection_vehicles_end_one_by_one_and_share_the_team_reward():
     """A crashed vehicle is done while the others drive on (highway-env alone would end the
-    episode); every agent gets the same reward; the rates count each vehicle once."""
+    episode); every agent gets the same reward, and over the episode it sums to arrivals minus
+    collisions over the number of vehicles; the rates count each vehicle once."""
     from hvd_rl.envs.intersection import IntersectionParallelEnv
 
     env = IntersectionParallelEnv(4, 13)
@@ -246,10 +247,12 @@ def test_intersection_vehicles_end_one_by_one_and_share_the_team_reward():
     for seed in range(12):
         env.reset(seed=seed)
         crashed, arrived = set(), set()
+        team_return = 0.0
         while env.agents:
             acting = list(env.agents)
             obs, rewards, terms, truncs, _ = env.step({a: 2 for a in acting})  # everyone: faster
             assert set(rewards) == set(acting) and len(set(rewards.values())) == 1
+            team_return += rewards[acting[0]]
             for a in acting:
                 vehicle = env.env.controlled_vehicles[env.possible_agents.index(a)]
                 if terms[a]:
@@ -259,6 +262,7 @@ def test_intersection_vehicles_end_one_by_one_and_share_the_team_reward():
                 assert not set(env.agents) & (crashed | arrived)
         stats = env.episode_stats()
         assert stats == {"collision_rate": len(crashed) / 4, "arrival_rate": len(arrived) / 4}
+        assert team_return == pytest.approx((len(arrived) - len(crashed)) / 4)
     assert partial_ends > 0
 
 

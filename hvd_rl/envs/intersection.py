@@ -7,10 +7,14 @@ own (it crashed, or it arrived 25 m into its exit lane) and the episode ends whe
 the time limit passes, so the others go on driving around a wreck, as on a road. A vehicle that is
 done keeps its last speed command (crashed ones stop by themselves) and no longer acts.
 
-The team reward is what every agent receives (a cooperative task): per step, the sum over vehicles
-of +arrived_reward on the step a vehicle arrives, collision_reward (negative) on the step it
-crashes, and high_speed_reward x its scaled speed while it drives, divided by the number of
-vehicles. Per episode: collision_rate and arrival_rate (fractions of the controlled vehicles).
+The team reward is what every agent receives (a cooperative task): arrivals minus collisions, i.e.
+per step, the sum over vehicles of +1 on the step a vehicle arrives and -1 on the step it crashes,
+divided by the number of vehicles. Not highway-env's weights (-5 per crash, +1 per arrival, a speed
+bonus every step): under them, measured with scripted policies over 40 episodes, standing still
+(0 crashes, 0 arrivals, return 0) beats every policy that arrives, and the speed bonus pays the
+idle policy (all four vehicles reach the centre together: 64% crash) more than staggering the
+vehicles' starts (1, 3, 5, 7 s: 15% crash, 48% arrive), so the task's goal and its reward disagreed.
+Per episode: collision_rate and arrival_rate (fractions of the controlled vehicles).
 
 Speed: highway-env simulates at 5 Hz here (its highway-fast-v0 setting; 15 Hz by default) and each
 vehicle's observation is built with numpy instead of pandas (`NumpyKinematics`, the same numbers as
@@ -27,6 +31,8 @@ from pettingzoo import ParallelEnv
 
 IDLE = 1  # highway-env's DiscreteMetaAction index for "keep the target speed"
 SIMULATION_HZ = 5
+ARRIVAL_REWARD = 1.0
+COLLISION_REWARD = -1.0
 
 
 def _kinematics_class():
@@ -118,7 +124,6 @@ class IntersectionParallelEnv(ParallelEnv):
     def step(self, actions: dict[str, int]):
         command = tuple(int(actions.get(a, IDLE)) for a in self.possible_agents)
         obs, _, _, time_up, _ = self.env.step(command)
-        config = self.env.config
         team = 0.0
         newly_done = np.zeros_like(self._done)
         for i, vehicle in enumerate(self.env.controlled_vehicles):
@@ -126,13 +131,10 @@ class IntersectionParallelEnv(ParallelEnv):
                 continue
             if vehicle.crashed:
                 self._crashed[i] = newly_done[i] = True
-                team += config["collision_reward"]
+                team += COLLISION_REWARD
             elif self.env.has_arrived(vehicle):
                 self._arrived[i] = newly_done[i] = True
-                team += config["arrived_reward"]
-            else:
-                low, high = config["reward_speed_range"]
-                team += config["high_speed_reward"] * float(np.clip((vehicle.speed - low) / (high - low), 0, 1))
+                team += ARRIVAL_REWARD
         team /= len(self.possible_agents)
         acting = list(self.agents)
         rewards = {a: team for a in acting}
