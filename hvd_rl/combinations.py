@@ -32,9 +32,11 @@ NAMES = list(OPTIONS)
 # out) and gradient clipping, whose default (ppo.max_grad_norm = 0.5) Adasum refuses.
 # IPPO refuses what MAPPO refuses (the matrix runs MAPPO for both: they differ in the critic's input),
 # and the multi-agent algorithms refuse the CNN and PPO's observation and reward normalisation.
+# ppo.pipeline meets every other option in the matrix's own overlap rows (tests/test_option_matrix.py).
 TABLE_OPTIONS: dict[str, list] = OPTIONS | {"algorithm": [*OPTIONS["algorithm"], "ippo"],
                                             "amp": [*OPTIONS["amp"], "fp16"], "max_grad_norm": [0, 0.5],
-                                            "model_kind": ["auto", "nature_cnn"], "normalize_observations": [False, True]}
+                                            "model_kind": ["auto", "nature_cnn"], "normalize_observations": [False, True],
+                                            "pipeline": ["sync", "overlap"]}
 ENV_IDS = {"ppo_discrete": "CartPole-v1", "ppo_continuous": "Pendulum-v1", "dqn": "CartPole-v1",
            "mappo": "mpe2/simple_spread_v3", "ippo": "mpe2/simple_spread_v3"}
 
@@ -58,6 +60,8 @@ def option_overrides(values: dict) -> list[str]:
         sets.append(f"ppo.backward_passes_per_step={values['backward_passes_per_step']}")
     if "model_kind" in values:
         sets.append(f"model.kind={values['model_kind']}")
+    if values.get("pipeline", "sync") != "sync":
+        sets.append(f"ppo.pipeline={values['pipeline']}")
     if values.get("normalize_observations"):
         sets.append("ppo.normalize_observations=true")
     if "max_grad_norm" in values:

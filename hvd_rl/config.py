@@ -98,6 +98,10 @@ class PPOConfig:
     normalize_rewards: bool = False  # scale rewards by the std of the discounted return
     observation_clip: float = 10.0  # normalised observations are clipped to +-this
     reward_clip: float = 10.0  # scaled rewards are clipped to +-this
+    # "sync": sample, then learn. "overlap": a sampler thread collects the next rollout with the
+    # weights from before this update while the learner works (a one-step policy lag; the PPO
+    # ratio uses the behaviour policy's stored log-probabilities). hvd_rl/algorithms/sampler.py.
+    pipeline: str = "sync"
 
 
 @dataclass
@@ -407,6 +411,7 @@ MODEL_KINDS = ("auto", "nature_cnn", "mlp")
 WANDB_MODES = ("offline", "online")
 REDUCTIONS = ("average", "adasum")
 DEVICES = ("auto", "cpu", "cuda")
+PIPELINE_MODES = ("sync", "overlap")
 BALANCE_MODES = ("off", "static", "dynamic")
 # Every setting that takes one of a few words, and its words (what validate() accepts): the
 # probe of combinations in tests/test_config.py tries each.
@@ -414,6 +419,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm": ALGORITHMS, "env.backend": BACKENDS, "model.kind": MODEL_KINDS,
     "distributed.reduction": REDUCTIONS, "distributed.compression": COMPRESSIONS, "distributed.device": DEVICES,
     "distributed.amp": AMP_MODES, "distributed.balance": BALANCE_MODES, "logging.wandb_mode": WANDB_MODES,
+    "ppo.pipeline": PIPELINE_MODES,
 }
 
 
@@ -464,6 +470,14 @@ def config_problems(cfg: TrainConfig, world_size: int | None = None, elastic: bo
     need(0.0 <= p.gae_lambda <= 1.0, f"ppo.gae_lambda must be in [0, 1], got {p.gae_lambda}")
     need(p.observation_clip > 0 and p.reward_clip > 0, "ppo.observation_clip and ppo.reward_clip must be positive")
     need(p.anneal_timesteps >= 0, f"ppo.anneal_timesteps must be >= 0, got {p.anneal_timesteps}")
+    need(p.pipeline in PIPELINE_MODES, f"ppo.pipeline must be one of {PIPELINE_MODES}, got {p.pipeline!r}")
+    if p.pipeline == "overlap":
+        need(cfg.algorithm == "ppo", f"ppo.pipeline = 'overlap' is built for algorithm 'ppo'; "
+             f"{cfg.algorithm!r} samples synchronously: use ppo.pipeline = 'sync'")
+        need(not elastic, "ppo.pipeline = 'overlap' cannot run elastic (a reset would land while the sampler "
+             "thread steps the environments): use ppo.pipeline = 'sync' with --elastic")
+        need(d.balance == "off", "ppo.pipeline = 'overlap' with distributed.balance: the balancer times each "
+             "rank's sampling and learning as one busy span, which overlap hides; use one of the two")
     if p.num_steps > 0 and p.num_minibatches > 0:
         # Minibatches are drawn per environment (see ppo.minibatch_indices), which is what makes
         # N ranks compute exactly the same update as one process.

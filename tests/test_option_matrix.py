@@ -45,12 +45,14 @@ class Row:
         return "-".join(str(v) for v in self.values)
 
 
-def overrides(row: Row, *, num_envs: int = 2, total: int = TOTAL, ranks: int | None = None) -> list[str]:
+def overrides(row: Row, *, num_envs: int = 2, total: int = TOTAL, ranks: int | None = None,
+              pipeline: str = "sync") -> list[str]:
     """The row's options (hvd_rl.combinations, shared with the docs' table of refused pairs) and small sizes;
     `ranks`: launched on another number of ranks (a resume), whose uneven layout has one count per rank."""
+    values = dict(zip(NAMES, row.values)) | {"ranks": ranks or row.ranks, "pipeline": pipeline}
     sets = ["logging.tensorboard=false", "logging.console=false", f"env.num_envs={num_envs}",
             "distributed.balance_every=2", "distributed.verify_every=1", "checkpoint.every=2",
-            *option_overrides(dict(zip(NAMES, row.values)) | {"ranks": ranks or row.ranks})]
+            *option_overrides(values)]
     if row.algorithm == "dqn":
         return sets + [f"dqn.total_timesteps={total}", "dqn.buffer_size=256", "dqn.learning_starts=96",
                        "dqn.batch_size=32", "dqn.train_frequency=4", "dqn.target_network_frequency=64",
@@ -61,10 +63,11 @@ def overrides(row: Row, *, num_envs: int = 2, total: int = TOTAL, ranks: int | N
     return sets
 
 
-def refusal(row: Row) -> str | None:
+def refusal(row: Row, pipeline: str = "sync") -> str | None:
     """What validate() says against the row (as the first launch would run it), or None."""
     total = FIRST_TOTAL if row.start != "fresh" else TOTAL
-    return combinations.refusal(load_config(CONFIGS[row.algorithm], overrides(row, total=total)), row.ranks)
+    return combinations.refusal(load_config(CONFIGS[row.algorithm], overrides(row, total=total, pipeline=pipeline)),
+                                row.ranks)
 
 
 def pairwise(rows: list[Row]) -> list[Row]:
@@ -82,15 +85,37 @@ def pairwise(rows: list[Row]) -> list[Row]:
     return chosen
 
 
+def single_cover(rows: list[Row]) -> list[Row]:
+    """A few of `rows` that together hold every option value any of them holds (greedy)."""
+    def singles(row: Row) -> set:
+        return set(enumerate(row.values))
+
+    todo = set().union(*(singles(r) for r in rows)) if rows else set()
+    chosen = []
+    while todo:
+        best = max(rows, key=lambda r: len(singles(r) & todo))
+        chosen.append(best)
+        todo -= singles(best)
+    return chosen
+
+
 SPACE = [Row(values) for values in itertools.product(*OPTIONS.values())]
 _REFUSALS = {row: refusal(row) for row in SPACE}
 RUNNABLE = pairwise([row for row in SPACE if _REFUSALS[row] is None])
 REFUSED = pairwise([row for row in SPACE if _REFUSALS[row] is not None])
+# ppo.pipeline = "overlap" meets every value of every other option at least once: a single cover,
+# not pairwise (crossed with the whole space it would double the matrix's runs and its collection).
+# Its own refusals (algorithms other than PPO, balancing) are rows that run with "sync".
+_OVERLAP_CANDIDATES = [row for row in SPACE if _REFUSALS[row] is None and row.algorithm.startswith("ppo")
+                       and row.balance == "off"]
+OVERLAP_RUNNABLE = single_cover(_OVERLAP_CANDIDATES)
+OVERLAP_REFUSED = single_cover([row for row in RUNNABLE if row.algorithm in ("dqn", "mappo") or row.balance != "off"])
 
 
-def _launch(row: Row, run_dir, ranks: int, *, num_envs: int = 2, total: int = TOTAL, resume: bool = False):
-    cmd = train_cmd(run_dir, *overrides(row, num_envs=num_envs, total=total, ranks=ranks), config=CONFIGS[row.algorithm],
-                    extra=("--resume", "auto") if resume else ())
+def _launch(row: Row, run_dir, ranks: int, *, num_envs: int = 2, total: int = TOTAL, resume: bool = False,
+            pipeline: str = "sync"):
+    cmd = train_cmd(run_dir, *overrides(row, num_envs=num_envs, total=total, ranks=ranks, pipeline=pipeline),
+                    config=CONFIGS[row.algorithm], extra=("--resume", "auto") if resume else ())
     return run(mpirun_cmd(ranks, *cmd), timeout=240)
 
 
@@ -124,19 +149,40 @@ def test_the_matrix_covers_every_pair_and_both_outcomes():
                             f"pair {NAMES[a]}={va}, {NAMES[b]}={vb} is in no {outcome or 'runnable'} row"
 
 
-@pytest.mark.parametrize("row", RUNNABLE, ids=Row.id)
-def test_accepted_combination_runs_to_exactly_total_timesteps(tmp_path, row):
+def _run_row(tmp_path, row: Row, pipeline: str) -> None:
     run_dir = tmp_path / "run"
     if row.start == "fresh":
-        _assert_clean_exit(_launch(row, run_dir, row.ranks))
+        _assert_clean_exit(_launch(row, run_dir, row.ranks, pipeline=pipeline))
     else:
-        _assert_clean_exit(_launch(row, run_dir, row.ranks, total=FIRST_TOTAL))
+        _assert_clean_exit(_launch(row, run_dir, row.ranks, total=FIRST_TOTAL, pipeline=pipeline))
         _assert_trained(row, run_dir, FIRST_TOTAL)
         ranks, envs = (row.ranks % 3 + 1, 2) if row.start == "resume_ranks" else (row.ranks, 4)
         if row.reduction == "adasum" and ranks & (ranks - 1):
             ranks = 1  # Adasum on CPUs: powers of 2 only (that refusal has its own rows)
-        _assert_clean_exit(_launch(row, run_dir, ranks, num_envs=envs, resume=True))
+        _assert_clean_exit(_launch(row, run_dir, ranks, num_envs=envs, resume=True, pipeline=pipeline))
     _assert_trained(row, run_dir, TOTAL)
+
+
+@pytest.mark.parametrize("row", RUNNABLE, ids=Row.id)
+def test_accepted_combination_runs_to_exactly_total_timesteps(tmp_path, row):
+    _run_row(tmp_path, row, "sync")
+
+
+def test_overlap_meets_every_option_value_and_refuses_with_one_line():
+    assert all(refusal(row, "overlap") is None for row in OVERLAP_RUNNABLE)
+    for a, name in enumerate(NAMES):
+        possible = {row.values[a] for row in _OVERLAP_CANDIDATES}
+        assert possible == {row.values[a] for row in OVERLAP_RUNNABLE}, name
+    assert {"dqn", "mappo"} <= {row.algorithm for row in OVERLAP_REFUSED}
+    assert {"static", "dynamic"} <= {row.balance for row in OVERLAP_REFUSED}
+    for row in OVERLAP_REFUSED:
+        message = refusal(row, "overlap")
+        assert message and "\n" not in message and "ppo.pipeline = 'overlap'" in message, row
+
+
+@pytest.mark.parametrize("row", OVERLAP_RUNNABLE, ids=Row.id)
+def test_accepted_combination_with_overlapped_sampling_runs(tmp_path, row):
+    _run_row(tmp_path, row, "overlap")
 
 
 # Launched: the refused rows on several ranks (the ones where "every rank" says something); every

@@ -140,6 +140,10 @@ class Algorithm(ABC):
     def discard_local(self) -> None:
         """Some rank could not restore its local state: every rank starts it afresh."""
 
+    def settle(self) -> None:
+        """Before a checkpoint, on every rank: finish whatever runs beside the main thread (a
+        sampler thread), so that the rank's recorded state does not depend on its timing."""
+
     def describe(self) -> str:
         """One line for the log: precision, batch sizes."""
         return ""

@@ -79,28 +79,31 @@ class ActorCritic(nn.Module):
             value = self.critic(hidden).squeeze(-1)
         return value.to(self.float_dtype)
 
-    def log_prob_entropy(self, policy: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def log_prob_entropy(self, policy: torch.Tensor, actions: torch.Tensor,
+                         log_std: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """log pi(a|s) and the entropy, per sample (summed over action dimensions)."""
         if not self.continuous:
             log_probs = torch.log_softmax(policy, dim=-1)
             entropy = -(log_probs.exp() * log_probs).sum(-1)
             return log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), entropy
-        log_std = self.log_std.to(policy.dtype).expand_as(policy)
+        log_std = (self.log_std if log_std is None else log_std).to(policy.dtype).expand_as(policy)
         z = (actions - policy) * torch.exp(-log_std)
         log_prob = (-0.5 * z * z - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
         entropy = (0.5 + 0.5 * math.log(2 * math.pi) + log_std).sum(-1)
         return log_prob, entropy
 
-    def sample(self, policy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(self, policy: torch.Tensor, log_std: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Actions and their log-probabilities. Categorical via Gumbel-max (one random draw per
-        logit, no softmax normalisation pass); Gaussian via the reparametrised normal."""
+        logit, no softmax normalisation pass); Gaussian via the reparametrised normal, with
+        `log_std` when given (a sampler's snapshot), else this model's own."""
         if not self.continuous:
             log_probs = torch.log_softmax(policy, dim=-1)
             gumbel = -torch.log(-torch.log(torch.rand_like(log_probs).clamp_(min=1e-20)))
             actions = torch.argmax(log_probs + gumbel, dim=-1)
             return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        actions = policy + torch.exp(self.log_std.to(policy.dtype)) * torch.randn_like(policy)
-        return actions, self.log_prob_entropy(policy, actions)[0]
+        log_std = self.log_std if log_std is None else log_std
+        actions = policy + torch.exp(log_std.to(policy.dtype)) * torch.randn_like(policy)
+        return actions, self.log_prob_entropy(policy, actions, log_std)[0]
 
     def mode(self, policy: torch.Tensor) -> torch.Tensor:
         """The most likely action (greedy evaluation)."""
@@ -171,24 +174,32 @@ class InferencePolicy:
     learner's first PPO ratio stays 1. The copy's convolution weights are channels-last like the
     frames (RolloutBuffer), so no step re-lays them out (bitwise the same result; with the
     channels-last frames, ~10% faster rollout forward passes on one core). In fp32 the training
-    model is used directly.
+    model is used directly, unless `separate`: a sampler thread that runs while the learner
+    updates the weights (ppo.pipeline = "overlap") needs a copy of its own in any precision, and
+    a snapshot of the Gaussian's log-std.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, separate: bool = False):
         self.source = model
         self.model = model
-        if model.precision.dtype is not None:
+        self.log_std: torch.Tensor | None = None  # None: the training model's own, read live
+        if model.precision.dtype is not None or separate:
             import copy
 
-            self.model = copy.deepcopy(model).to(model.precision.dtype).to(memory_format=torch.channels_last)
-            self.model.requires_grad_(False)
+            self.model = copy.deepcopy(model).requires_grad_(False)
+            if model.precision.dtype is not None:
+                self.model = self.model.to(model.precision.dtype).to(memory_format=torch.channels_last)
+        if separate and getattr(model, "continuous", False):
+            self.log_std = model.log_std.detach().clone()
 
     def sync(self) -> None:
         """Copies the training weights in (after an update, a broadcast or a resume)."""
-        if self.model is not self.source:
-            with torch.no_grad():
+        with torch.no_grad():
+            if self.model is not self.source:
                 for mine, theirs in zip(self.model.parameters(), self.source.parameters()):
                     mine.copy_(theirs)
+            if self.log_std is not None:
+                self.log_std.copy_(self.source.log_std)
 
     def __call__(self, obs: torch.Tensor):
         return self.model(obs)
@@ -197,7 +208,7 @@ class InferencePolicy:
         return self.model.value(obs)
 
     def sample(self, policy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.source.sample(policy)  # the Gaussian's log-std stays fp32
+        return self.source.sample(policy, self.log_std)  # the Gaussian's log-std stays fp32
 
 
 def nature_cnn(in_channels: int, init: bool = True) -> tuple[nn.Module, int]:

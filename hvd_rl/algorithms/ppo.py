@@ -38,6 +38,7 @@ from hvd_rl.algorithms.models import build_model, model_signature
 from hvd_rl.algorithms.normalize import ReturnScaler, RunningNormalizer
 from hvd_rl.runtime.precision import precision_for
 from hvd_rl.algorithms.rollout import RolloutBuffer, RolloutCollector, take_rows
+from hvd_rl.algorithms.sampler import OverlappedSampler, Rollout
 
 
 # ---- GAE, minibatch layout, loss ----------------------------------------------------------------
@@ -371,6 +372,10 @@ class PPO(Algorithm):
         self.reward_scaler = ReturnScaler(0, p.gamma, p.reward_clip) if p.normalize_rewards else None
         self.collector: RolloutCollector | None = None
         self.buffer: RolloutBuffer | None = None
+        self.sampler: OverlappedSampler | None = None  # ppo.pipeline = "overlap"
+        if p.pipeline == "overlap" and threads > 1:
+            # the sampler thread takes one of the rank's cores, the learner the rest
+            torch.set_num_threads(threads - 1)
 
     def _build_model(self) -> nn.Module:
         return build_model(self.cfg.model, self.observation_space, self.action_space)
@@ -433,8 +438,9 @@ class PPO(Algorithm):
 
     def describe(self) -> str:
         p = self.cfg.ppo
+        pipeline = ", overlapped sampling (one-update policy lag)" if p.pipeline == "overlap" else ""
         return (f"precision {self.precision.mode}, {p.num_steps} steps x {self.cfg.env.num_envs} envs "
-                f"per rank, {p.num_minibatches} minibatches x {p.update_epochs} epochs")
+                f"per rank, {p.num_minibatches} minibatches x {p.update_epochs} epochs{pipeline}")
 
     def global_batch(self, total_envs: int) -> int | None:
         return total_envs * self.cfg.ppo.num_steps
@@ -442,16 +448,22 @@ class PPO(Algorithm):
     # ---- environments ----
 
     def build_envs(self, layout: EnvLayout, rank: int, seeds: list[int]) -> None:
-        if self.collector is not None:
-            self.collector.close()
+        self.close()
         num_envs = layout.counts[rank]
         envs = RankEnvs(replace(self.cfg.env, num_envs=num_envs), threads=self.threads)
-        self.buffer = RolloutBuffer(self.cfg.ppo.num_steps, num_envs, envs.single_observation_space,
-                                    envs.single_action_space, self.device)
+
+        def buffer() -> RolloutBuffer:
+            return RolloutBuffer(self.cfg.ppo.num_steps, num_envs, envs.single_observation_space,
+                                 envs.single_action_space, self.device)
+
+        self.buffer = buffer()
         if self.reward_scaler is not None:
             self.reward_scaler.reset_envs(num_envs)
+        overlap = self.cfg.ppo.pipeline == "overlap"
         self.collector = RolloutCollector(envs, self.model, self.buffer, self.device, seeds,
-                                          self.obs_normalizer, self.reward_scaler)
+                                          self.obs_normalizer, self.reward_scaler, separate_policy=overlap)
+        if overlap:
+            self.sampler = OverlappedSampler(self.collector, spare=buffer())
 
     def rollout_length(self, remaining_steps: int, layout: EnvLayout) -> int:
         """num_steps, or fewer for the last iteration so that the run ends exactly at
@@ -482,20 +494,33 @@ class PPO(Algorithm):
         lr = self._anneal_learning_rate(context)
         steps, layout, rank = context.env_steps, context.layout, context.rank
 
-        last_value, times, episodes = self.collector.collect(steps)
+        if self.sampler is None:
+            rollout = Rollout(self.buffer, steps, *self.collector.collect(steps))
+        else:
+            rollout = self.sampler.take(steps)
+        times, episodes = rollout.times, rollout.episodes
         if self.obs_normalizer is not None:  # statistics merged over ranks, frozen during rollouts
             self.obs_normalizer.sync("ppo.obs_statistics")
         if self.reward_scaler is not None:
             self.reward_scaler.sync("ppo.return_statistics")
-        batch = rollout_batch(self.buffer, last_value, p.gamma, p.gae_lambda, steps)
+        batch = rollout_batch(rollout.buffer, rollout.last_value, p.gamma, p.gae_lambda, steps)
+        if self.sampler is not None:
+            # the next rollout, with the weights from before this update, while it runs
+            after = context.global_step + layout.total * steps
+            next_steps = self.rollout_length(cfg.total_timesteps - after, layout)
+            if next_steps > 0:
+                self.sampler.start(next_steps)
         inject = cfg.debug.nan_at_iteration == context.iteration and cfg.debug.nan_rank == rank
         self.learner.loss_hook = (lambda loss: loss * float("nan")) if inject else None
         share = layout.counts[rank] * layout.world_size / layout.total
         stats = self.learner.update(batch, context.iteration, layout.first(rank), layout.counts[rank], steps,
                                     stop_requested=context.stop_requested, share=share)
 
+        metrics = {"time_env": times.env, "time_inference": times.inference, "time_update": stats.time_update}
+        if self.sampler is not None:
+            metrics["time_sampler_wait"] = rollout.waited  # the learner idle, waiting for the sampler
         return IterationReport(
-            metrics={"time_env": times.env, "time_inference": times.inference, "time_update": stats.time_update},
+            metrics=metrics,
             sums=update_sums(stats, batch.returns, batch.values, torch.ones_like(batch.returns)),
             episode_returns=episodes.returns, episode_lengths=episodes.lengths,
             stop_agreed=stats.stop_requested, finite=("policy_loss", "value_loss"),
@@ -523,7 +548,14 @@ class PPO(Algorithm):
             actions = np.clip(actions, self.action_space.low, self.action_space.high)
         return actions
 
+    def settle(self) -> None:
+        if self.sampler is not None:
+            self.sampler.settle()
+
     def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None
         if self.collector is not None:
             self.collector.close()
             self.collector = None

@@ -83,9 +83,11 @@ def take_rows(storage: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 class RolloutCollector:
     def __init__(self, envs: RankEnvs, model: ActorCritic, buffer: RolloutBuffer, device: torch.device,
                  seeds: list[int], obs_normalizer: RunningNormalizer | None = None,
-                 reward_scaler: ReturnScaler | None = None):
+                 reward_scaler: ReturnScaler | None = None, separate_policy: bool = False):
+        """`separate_policy`: the rollout's weights are a copy of their own, refreshed only by
+        `policy.sync()`, so that a sampler thread can collect while the learner updates."""
         self.envs, self.buffer, self.device = envs, buffer, device
-        self.policy = InferencePolicy(model)
+        self.policy = InferencePolicy(model, separate=separate_policy)
         self.obs_normalizer, self.reward_scaler = obs_normalizer, reward_scaler
         space = envs.single_action_space
         self.action_bounds = (space.low, space.high) if isinstance(space, gym.spaces.Box) else None
@@ -100,11 +102,15 @@ class RolloutCollector:
         return self.obs_normalizer.normalize(raw)
 
     @torch.no_grad()
-    def collect(self, num_steps: int | None = None) -> tuple[torch.Tensor, RolloutTimes, Episodes]:
-        """Fills the buffer's first `num_steps` steps (all by default); returns V(last obs),
-        times and the (whole) episodes that finished, with raw returns."""
-        buf, policy, envs = self.buffer, self.policy, self.envs
-        policy.sync()  # the weights the learner just produced
+    def collect(self, num_steps: int | None = None, buffer: RolloutBuffer | None = None,
+                sync_weights: bool = True) -> tuple[torch.Tensor, RolloutTimes, Episodes]:
+        """Fills the first `num_steps` steps (all by default) of `buffer` (default: the
+        collector's own); returns V(last obs), times and the (whole) episodes that finished,
+        with raw returns. `sync_weights`: first copy in the weights the learner just produced
+        (a sampler thread gets them synced before it starts instead)."""
+        buf, policy, envs = buffer or self.buffer, self.policy, self.envs
+        if sync_weights:
+            policy.sync()
         times, episodes = RolloutTimes(), Episodes()
         clock = time.perf_counter
         for step in range(num_steps or buf.num_steps):

@@ -326,6 +326,7 @@ class Runtime:
     def _checkpoint(self, progress: Any) -> None:
         """Collective (hvd_rl/runtime/checkpointing.py): every rank's own state, rank 0's file."""
         topo = dist.topology()
+        self.algorithm.settle()
 
         def rank_zero_state() -> dict[str, Any]:
             return {
