@@ -245,7 +245,8 @@ def test_intersection_vehicles_end_one_by_one_and_share_the_team_reward():
     env = IntersectionParallelEnv(4, 13)
     partial_ends = 0
     for seed in range(12):
-        env.reset(seed=seed)
+        first, _ = env.reset(seed=seed)
+        assert all(o[-1] == 1.0 for o in first.values())  # the whole episode's time left
         crashed, arrived = set(), set()
         team_return = 0.0
         while env.agents:
@@ -253,6 +254,7 @@ def test_intersection_vehicles_end_one_by_one_and_share_the_team_reward():
             obs, rewards, terms, truncs, _ = env.step({a: 2 for a in acting})  # everyone: faster
             assert set(rewards) == set(acting) and len(set(rewards.values())) == 1
             team_return += rewards[acting[0]]
+            assert all(0.0 <= o[-1] < 1.0 for o in obs.values())
             for a in acting:
                 vehicle = env.env.controlled_vehicles[env.possible_agents.index(a)]
                 if terms[a]:
@@ -303,7 +305,7 @@ def test_intersection_mappo_trains_on_two_ranks_records_every_vehicle_and_export
     onnx_file = tmp_path / "actor.onnx"
     exported = json.loads(check(run([BIN / "hvd-rl", "export", "--checkpoint", checkpoint, "--out", onnx_file],
                                     timeout=180)).splitlines()[-1])
-    assert exported["input_shape"] == ["batch", 4, 105] and exported["output"] == "logits"
+    assert exported["input_shape"] == ["batch", 4, 106] and exported["output"] == "logits"
 
     from hvd_rl.policy.trained import checkpoint_config, load_trained
     from hvd_rl.envs.multiagent import make_multiagent_envs

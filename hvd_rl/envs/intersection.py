@@ -1,8 +1,11 @@
 """Cooperating vehicles: highway-env's multi-agent intersection as a PettingZoo Parallel env.
 
 Each controlled vehicle is an agent with its own local perception (highway-env's Kinematics
-observation of the 15 nearest vehicles, flattened) and its own speed decision (SLOWER, IDLE,
-FASTER). highway-env ends the whole episode at the first crash; here each vehicle is done on its
+observation of the 15 nearest vehicles, flattened, and the fraction of the episode's time left)
+and its own speed decision (SLOWER, IDLE, FASTER). The time left is there because the episode has
+a time limit (Pardo et al., 2018, "Time Limits in Reinforcement Learning"): without it a vehicle
+that waits for the others to cross cannot tell how long it has waited, and training settled on
+stopping (60k steps: 5% crashes, 20% arrivals, fewer than the idle policy's 36%). highway-env ends the whole episode at the first crash; here each vehicle is done on its
 own (it crashed, or it arrived 25 m into its exit lane) and the episode ends when all are done or
 the time limit passes, so the others go on driving around a wreck, as on a road. A vehicle that is
 done keeps its last speed command (crashed ones stop by themselves) and no longer acts.
@@ -96,7 +99,7 @@ class IntersectionParallelEnv(ParallelEnv):
         self.env.reset(seed=0)  # builds the spaces
         one = self.env.observation_space.spaces[0]
         size = int(np.prod(one.shape))
-        self._observation_space = gym.spaces.Box(-np.inf, np.inf, (size,), np.float32)
+        self._observation_space = gym.spaces.Box(-np.inf, np.inf, (size + 1,), np.float32)  # + time left
         self._action_space = gym.spaces.Discrete(int(self.env.action_space.spaces[0].n))
         self._done = np.zeros(num_vehicles, bool)
         self._crashed = np.zeros(num_vehicles, bool)
@@ -110,9 +113,14 @@ class IntersectionParallelEnv(ParallelEnv):
     def action_space(self, agent: str) -> gym.spaces.Discrete:
         return self._action_space
 
+    def _observation(self, obs: tuple, agent: str) -> np.ndarray:
+        """One vehicle's kinematics, flattened, then the fraction of the episode's time left."""
+        left = max(0.0, 1.0 - self.env.time / self.env.config["duration"])
+        return np.append(np.asarray(obs[self.possible_agents.index(agent)], np.float32).reshape(-1),
+                         np.float32(left))
+
     def _observations(self, obs: tuple) -> dict[str, np.ndarray]:
-        return {a: np.asarray(obs[i], np.float32).reshape(-1) for i, a in enumerate(self.possible_agents)
-                if not self._done[i]}
+        return {a: self._observation(obs, a) for i, a in enumerate(self.possible_agents) if not self._done[i]}
 
     def reset(self, seed: int | None = None, options: dict | None = None):
         obs, _ = self.env.reset(seed=seed)
@@ -142,7 +150,7 @@ class IntersectionParallelEnv(ParallelEnv):
         truncations = {a: bool(time_up) and not terminations[a] for a in acting}
         self._done |= newly_done
         self.agents = [] if time_up else [a for a in acting if not terminations[a]]
-        observations = {a: np.asarray(obs[self.possible_agents.index(a)], np.float32).reshape(-1) for a in acting}
+        observations = {a: self._observation(obs, a) for a in acting}
         return observations, rewards, terminations, truncations, {a: {} for a in acting}
 
     def episode_stats(self) -> dict[str, float]:
