@@ -65,6 +65,9 @@ LONG_TESTS = {
     "tests/test_distributed.py::test_fp16_compression_stays_close_but_not_exact": 15,
     "tests/test_policy.py::test_video_and_gif_of_greedy_games[cartpole-size1]": 15,
     "tests/test_dqn.py::test_three_ranks_learn_with_learning_starts_equal_to_buffer_size": 13,
+    # making room for the overlapped-sampling tests (tests/test_pipeline.py, the option matrix's overlap rows)
+    "tests/test_slurm.py::test_sbatch_preemption_checkpoints_requeues_and_finishes[horovodrun-USR1-sync]": 46,
+    "tests/test_compression.py::test_elastic_removal_of_a_host_restarts_compression_residuals": 27,
 }
 
 
