@@ -70,33 +70,27 @@ def refusal(row: Row, pipeline: str = "sync") -> str | None:
                                 row.ranks)
 
 
-def pairwise(rows: list[Row]) -> list[Row]:
-    """A few of `rows` that together hold every pair of option values that any of them holds:
-    greedy (each pick covers the most pairs not covered yet), deterministic."""
-    def pairs(row: Row) -> set:
-        return {(a, row.values[a], b, row.values[b]) for a in range(len(NAMES)) for b in range(a + 1, len(NAMES))}
-
-    todo = set().union(*(pairs(r) for r in rows)) if rows else set()
+def greedy_cover(rows: list[Row], parts) -> list[Row]:
+    """A few of `rows` that together hold every part (`parts(row)`: a set) that any of them holds:
+    greedy (each pick covers the most parts not covered yet), deterministic."""
+    todo = set().union(*(parts(r) for r in rows)) if rows else set()
     chosen = []
     while todo:
-        best = max(rows, key=lambda r: len(pairs(r) & todo))
+        best = max(rows, key=lambda r: len(parts(r) & todo))
         chosen.append(best)
-        todo -= pairs(best)
+        todo -= parts(best)
     return chosen
+
+
+def pairwise(rows: list[Row]) -> list[Row]:
+    """Rows holding every pair of option values that any of `rows` holds."""
+    return greedy_cover(rows, lambda row: {(a, row.values[a], b, row.values[b]) for a in range(len(NAMES))
+                                           for b in range(a + 1, len(NAMES))})
 
 
 def single_cover(rows: list[Row]) -> list[Row]:
-    """A few of `rows` that together hold every option value any of them holds (greedy)."""
-    def singles(row: Row) -> set:
-        return set(enumerate(row.values))
-
-    todo = set().union(*(singles(r) for r in rows)) if rows else set()
-    chosen = []
-    while todo:
-        best = max(rows, key=lambda r: len(singles(r) & todo))
-        chosen.append(best)
-        todo -= singles(best)
-    return chosen
+    """Rows holding every option value that any of `rows` holds."""
+    return greedy_cover(rows, lambda row: set(enumerate(row.values)))
 
 
 SPACE = [Row(values) for values in itertools.product(*OPTIONS.values())]
