@@ -472,12 +472,10 @@ def config_problems(cfg: TrainConfig, world_size: int | None = None, elastic: bo
     need(p.anneal_timesteps >= 0, f"ppo.anneal_timesteps must be >= 0, got {p.anneal_timesteps}")
     need(p.pipeline in PIPELINE_MODES, f"ppo.pipeline must be one of {PIPELINE_MODES}, got {p.pipeline!r}")
     if p.pipeline == "overlap":
-        need(cfg.algorithm == "ppo", f"ppo.pipeline = 'overlap' is built for algorithm 'ppo'; "
-             f"{cfg.algorithm!r} samples synchronously: use ppo.pipeline = 'sync'")
+        need(cfg.algorithm == "ppo", f"ppo.pipeline = 'overlap' is PPO's; {cfg.algorithm!r} samples synchronously")
         need(not elastic, "ppo.pipeline = 'overlap' cannot run elastic (a reset would land while the sampler "
              "thread steps the environments): use ppo.pipeline = 'sync' with --elastic")
-        need(d.balance == "off", "ppo.pipeline = 'overlap' with distributed.balance: the balancer times each "
-             "rank's sampling and learning as one busy span, which overlap hides; use one of the two")
+        need(d.balance == "off", "ppo.pipeline = 'overlap' hides the busy time distributed.balance measures: use one")
     if p.num_steps > 0 and p.num_minibatches > 0:
         # Minibatches are drawn per environment (see ppo.minibatch_indices), which is what makes
         # N ranks compute exactly the same update as one process.
@@ -564,7 +562,7 @@ def config_problems(cfg: TrainConfig, world_size: int | None = None, elastic: bo
     need(1 <= d.balance_min_envs <= e.num_envs,
          f"distributed.balance_min_envs must be in [1, env.num_envs], got {d.balance_min_envs}")
     if d.balance != "off":
-        need(cfg.algorithm == "ppo", "distributed.balance needs ranks with uneven environment counts, "
+        need(cfg.algorithm == "ppo", "distributed.balance makes environment counts uneven, "
              f"which only algorithm 'ppo' supports, not {cfg.algorithm!r}")
         need(d.reduction == "average", "distributed.balance needs distributed.reduction = 'average' "
              "(Adasum does not weight ranks by their share)")
