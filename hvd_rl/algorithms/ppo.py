@@ -495,7 +495,7 @@ class PPO(Algorithm):
         steps, layout, rank = context.env_steps, context.layout, context.rank
 
         if self.sampler is None:
-            rollout = Rollout(self.buffer, steps, *self.collector.collect(steps))
+            rollout = Rollout(self.buffer, *self.collector.collect(steps))
         else:
             rollout = self.sampler.take(steps)
         times, episodes = rollout.times, rollout.episodes

@@ -108,7 +108,7 @@ class RolloutCollector:
         collector's own); returns V(last obs), times and the (whole) episodes that finished,
         with raw returns. `sync_weights`: first copy in the weights the learner just produced
         (a sampler thread gets them synced before it starts instead)."""
-        buf, policy, envs = buffer or self.buffer, self.policy, self.envs
+        buf, policy, envs = self.buffer if buffer is None else buffer, self.policy, self.envs
         if sync_weights:
             policy.sync()
         times, episodes = RolloutTimes(), Episodes()

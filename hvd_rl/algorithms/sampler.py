@@ -37,13 +37,11 @@ from hvd_rl.algorithms.rollout import Episodes, RolloutBuffer, RolloutCollector,
 
 @dataclass
 class Rollout:
-    buffer: RolloutBuffer  # holds the rollout's first `steps` steps
-    steps: int
+    buffer: RolloutBuffer  # holds the rollout in its first steps
     last_value: torch.Tensor
     times: RolloutTimes
     episodes: Episodes
     waited: float = 0.0  # seconds the learner waited for it (0 when collected synchronously)
-    lagged: bool = False  # collected with the weights from before the previous update
 
 
 class OverlappedSampler:
@@ -63,8 +61,7 @@ class OverlappedSampler:
         return buffer
 
     def _collect(self, buffer: RolloutBuffer, steps: int, sync_weights: bool) -> Rollout:
-        last_value, times, episodes = self.collector.collect(steps, buffer, sync_weights=sync_weights)
-        return Rollout(buffer, steps, last_value, times, episodes, lagged=not sync_weights)
+        return Rollout(buffer, *self.collector.collect(steps, buffer, sync_weights=sync_weights))
 
     def start(self, steps: int) -> None:
         """Starts collecting the next rollout with the weights the model holds now (call it
